@@ -1,0 +1,1 @@
+"""Infinite-LLM: distributed serving for long-context LLMs."""

@@ -1,0 +1,237 @@
+"""DistAttention math: paged partial attention over a subset of a sequence's rBlocks, and the exact merge.
+
+This is the torch reference (and the CPU path). ``infinite_llm/kernels/`` holds the Triton versions with the
+same signatures. The math is PAPER.md "DistAttention" (MicroAttention + merge; Lin et al. 2024, §4.1),
+written in the lse form of FlashAttention-2 / vLLM's ``merge_attn_states``: each part returns its
+normalised output and ``lse = m + log(sum exp(s - m))``; the merge is exact and associative.
+
+Neighbours: ``kv_cache.py`` owns the paged storage these functions read; the engine's attention backend
+(``core/dist_attention.py``) splits a step over holders and calls :func:`merge_partials`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from infinite_llm.core.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class PartialAttentionMetadata:
+    """Which keys each query may see, for a batch of sequences served by one holder of KV.
+
+    All tensors are int64 on the device of the KV cache.
+
+    Attributes:
+        query_start_loc: ``[num_seqs + 1]`` cumulative query-token counts; sequence ``s`` owns query rows
+            ``query_start_loc[s]:query_start_loc[s+1]``.
+        query_positions: ``[num_tokens]`` absolute position (token index in its sequence) of each query.
+        block_ids: ``[num_seqs, max_blocks]`` physical rBlock ids in the pool; row entries at or beyond
+            ``num_blocks[s]`` are padding and never read.
+        block_indices: ``[num_seqs, max_blocks]`` logical index of each rBlock in the sequence's block
+            table; block index ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``.
+        num_blocks: ``[num_seqs]`` valid entries per row of ``block_ids`` (may be 0: an empty part).
+        context_lens: ``[num_seqs]`` tokens of the sequence whose KV exists after this step's append.
+
+    A key at token position ``t`` is visible to a query at position ``p`` iff ``t < context_len`` and
+    ``t <= p`` (causal). Decode is the case of one query per sequence at ``context_len - 1``.
+    """
+
+    query_start_loc: torch.Tensor
+    query_positions: torch.Tensor
+    block_ids: torch.Tensor
+    block_indices: torch.Tensor
+    num_blocks: torch.Tensor
+    context_lens: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    def validate(self, num_tokens: int, num_pool_blocks: int) -> None:
+        """Check shapes and ranges; raises :class:`InvalidRequest` naming the bad field."""
+        s = self.num_seqs
+        _expect(self.query_start_loc.shape == (s + 1,), "query_start_loc", self.query_start_loc.shape)
+        _expect(self.query_positions.shape == (num_tokens,), "query_positions", self.query_positions.shape)
+        _expect(self.block_ids.shape == self.block_indices.shape, "block_indices", self.block_indices.shape)
+        _expect(self.block_ids.dim() == 2 and self.block_ids.shape[0] == s, "block_ids", self.block_ids.shape)
+        _expect(self.num_blocks.shape == (s,), "num_blocks", self.num_blocks.shape)
+        if s and int(self.query_start_loc[-1]) != num_tokens:
+            raise InvalidRequest(f"query_start_loc ends at {int(self.query_start_loc[-1])}, not {num_tokens}")
+        if s and bool((self.num_blocks > self.block_ids.shape[1]).any()):
+            raise InvalidRequest("num_blocks exceeds the width of block_ids")
+        valid = torch.arange(self.block_ids.shape[1], device=self.block_ids.device)[None, :] < self.num_blocks[:, None]
+        ids = self.block_ids[valid]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pool_blocks):
+            raise InvalidRequest(f"block id out of range [0, {num_pool_blocks})")
+
+
+def _expect(ok: bool, field: str, shape: object) -> None:
+    if not ok:
+        raise InvalidRequest(f"{field} has a wrong shape {tuple(shape)}")  # type: ignore[arg-type]
+
+
+def partial_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PartialAttentionMetadata,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over the rBlocks listed in ``meta`` only (one MicroAttention per sequence).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]`` float (fp32/bf16/fp16), RoPE already applied.
+        k_cache, v_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``, one layer of the pool.
+            ``num_heads`` must be a multiple of ``num_kv_heads`` (MHA, GQA, MQA); query head ``h`` reads
+            KV head ``h // (num_heads // num_kv_heads)``.
+        meta: visibility of keys, see :class:`PartialAttentionMetadata`.
+        scale: softmax scale; default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``(partial_out, lse)``: ``partial_out [num_tokens, num_heads, head_dim]`` in ``query.dtype``,
+        normalised over the visible keys of this part; ``lse [num_tokens, num_heads]`` fp32, natural log.
+        A query that sees no key gets ``partial_out = 0`` and ``lse = -inf`` (weight 0 in the merge).
+
+    Computation is in fp32 whatever the input dtype. Source: PAPER.md "DistAttention" (MA_j).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise InvalidRequest(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    lse = torch.full((num_tokens, num_heads), -math.inf, dtype=torch.float32, device=query.device)
+    if meta.num_seqs == 0 or num_tokens == 0:
+        return out.to(query.dtype), lse
+    starts = meta.query_start_loc.tolist()
+    if all(starts[i + 1] - starts[i] == 1 for i in range(meta.num_seqs)):
+        _decode_batched(query, k_cache, v_cache, meta, scale, out, lse)
+    else:
+        nblocks = meta.num_blocks.tolist()
+        for s in range(meta.num_seqs):
+            lo, hi, n = starts[s], starts[s + 1], nblocks[s]
+            if hi == lo or n == 0:
+                continue
+            k, v, kpos = _gather_keys(k_cache, v_cache, meta.block_ids[s, :n], meta.block_indices[s, :n])
+            mask = (kpos[None, :] <= meta.query_positions[lo:hi, None]) & (kpos < meta.context_lens[s])[None, :]
+            out[lo:hi], lse[lo:hi] = _masked_attention(query[lo:hi], k, v, mask, scale)
+    return out.to(query.dtype), lse
+
+
+def _gather_keys(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, block_indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys/values ``[n * block_size, num_kv_heads, head_dim]`` of the listed rBlocks and their positions."""
+    block_size = k_cache.shape[1]
+    k = k_cache[block_ids].flatten(0, 1)  # (n*bs, Hkv, D)
+    v = v_cache[block_ids].flatten(0, 1)
+    offsets = torch.arange(block_size, device=k_cache.device)
+    kpos = (block_indices[:, None] * block_size + offsets[None, :]).flatten()  # (n*bs,)
+    return k, v, kpos
+
+
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: ``q [T, H, D]``, ``k, v [S, Hkv, D]``, ``mask [T, S]`` bool -> ``(out [T, H, D], lse [T, H])``."""
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qf = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3)  # (Hkv, G, T, D)
+    kf = k.float().permute(1, 2, 0)  # (Hkv, D, S)
+    vf = v.float().permute(1, 0, 2)  # (Hkv, S, D)
+    scores = torch.matmul(qf, kf.unsqueeze(1)) * scale  # (Hkv, G, T, S)
+    scores = scores.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # (Hkv, G, T); -inf where no key is visible
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(probs, vf.unsqueeze(1))  # (Hkv, G, T, D)
+    return out.permute(2, 0, 1, 3).reshape(t, h, d), lse.permute(2, 0, 1).reshape(t, h)
+
+
+def _decode_batched(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PartialAttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """One query per sequence: gather every sequence's blocks into one padded batch (no Python loop)."""
+    num_seqs, max_blocks = meta.block_ids.shape
+    if max_blocks == 0:
+        return
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_heads = query.shape[1]
+    g = num_heads // num_kv_heads
+    valid_block = torch.arange(max_blocks, device=query.device)[None, :] < meta.num_blocks[:, None]
+    ids = torch.where(valid_block, meta.block_ids, 0)
+    k = k_cache[ids].flatten(1, 2).float()  # (S, B*bs, Hkv, D)
+    v = v_cache[ids].flatten(1, 2).float()
+    offsets = torch.arange(block_size, device=query.device)
+    kpos = (meta.block_indices[:, :, None] * block_size + offsets).flatten(1)  # (S, B*bs)
+    key_ok = valid_block.repeat_interleave(block_size, dim=1)
+    key_ok &= (kpos <= meta.query_positions[:, None]) & (kpos < meta.context_lens[:, None])
+    q = query.float().view(num_seqs, num_kv_heads, g, head_dim)  # (S, Hkv, G, D)
+    scores = torch.einsum("skgd,snkd->skgn", q, k) * scale  # (S, Hkv, G, B*bs)
+    scores = scores.masked_fill(~key_ok[:, None, None, :], -math.inf)
+    seq_lse = torch.logsumexp(scores, dim=-1)  # (S, Hkv, G)
+    probs = torch.exp(scores - torch.where(torch.isinf(seq_lse), 0.0, seq_lse).unsqueeze(-1))
+    seq_out = torch.einsum("skgn,snkd->skgd", probs, v)  # (S, Hkv, G, D)
+    out.copy_(seq_out.reshape(num_seqs, num_heads, head_dim))
+    lse.copy_(seq_lse.reshape(num_seqs, num_heads))
+
+
+def merge_partials(
+    partial_outs: Sequence[torch.Tensor] | torch.Tensor, lses: Sequence[torch.Tensor] | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of partial attention results over disjoint sets of keys.
+
+    Args:
+        partial_outs: ``num_parts`` tensors ``[num_tokens, num_heads, head_dim]`` (or one stacked
+            ``[num_parts, num_tokens, num_heads, head_dim]``), any float dtype.
+        lses: matching ``[num_tokens, num_heads]`` fp32 (or stacked ``[num_parts, ...]``).
+
+    Returns:
+        ``(out, lse)`` with ``lse = logsumexp_j(lse_j)`` and ``out = sum_j exp(lse_j - lse) * out_j``, in the
+        dtype of the first part. Parts with ``lse = -inf`` have weight 0 (their output is never read, so a
+        NaN there cannot leak); if every part is empty the result is ``out = 0, lse = -inf``.
+
+    Source: DESIGN.md §2 "merge"; PAPER.md DistAttention merge. Associative: merging merged results equals
+    merging all parts at once.
+    """
+    outs = partial_outs if isinstance(partial_outs, torch.Tensor) else torch.stack(list(partial_outs))
+    ls = lses if isinstance(lses, torch.Tensor) else torch.stack(list(lses))
+    if outs.shape[0] == 0:
+        raise InvalidRequest("merge_partials needs at least one part")
+    dtype = outs.dtype
+    ls = ls.float()
+    lse = torch.logsumexp(ls, dim=0)  # (T, H); -inf iff every part is -inf
+    weights = torch.exp(ls - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(0))  # (P, T, H)
+    weighted = torch.where(weights.unsqueeze(-1) > 0, weights.unsqueeze(-1) * outs.float(), 0.0)
+    return weighted.sum(dim=0).to(dtype), lse
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """Store new keys/values into their slots (``block_id * block_size + offset``) of one layer's pool.
+
+    Args:
+        k_cache, v_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+        slot_mapping: ``[num_new_tokens]`` int64.
+        key, value: ``[num_new_tokens, num_kv_heads, head_dim]``, cast to the cache dtype.
+    """
+    if slot_mapping.numel() == 0:
+        return
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)

@@ -1,0 +1,51 @@
+"""Model runner: turns a scheduler step into flat model inputs, runs the dense layers, samples.
+
+The runner never sees the scheduler's queues (nano-vllm's split): it receives the scheduled sequences and
+an attention backend that knows where KV lives (``LocalDistAttention`` here, remote servers in the mesh).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from infinite_llm.core.dist_attention import SeqStepInput
+from infinite_llm.core.model import AttentionFn, LlamaForCausalLM
+from infinite_llm.core.sampling import sample
+from infinite_llm.core.scheduler import ScheduledSeq
+
+PrepareFn = Callable[[list[SeqStepInput]], AttentionFn]
+
+
+class ModelRunner:
+    """Runs ``model`` over a step with attention from ``prepare_attention``."""
+
+    def __init__(self, model: LlamaForCausalLM, prepare_attention: PrepareFn, device: torch.device | str = "cpu"):
+        self.model = model
+        self.prepare_attention = prepare_attention
+        self.device = torch.device(device)
+
+    def run(self, scheduled: list[ScheduledSeq]) -> dict[str, int]:
+        """One step. Returns the sampled next token of every sequence whose step ends its known tokens.
+
+        Inputs are flattened: ``input_ids, positions [num_tokens]`` int64, sequences in ``scheduled`` order.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for s in scheduled:
+            ids.extend(s.seq.all_token_ids[s.start : s.start + s.num_new])
+            positions.extend(range(s.start, s.start + s.num_new))
+            if s.samples:
+                logit_rows.append(len(ids) - 1)
+        attention = self.prepare_attention([SeqStepInput(s.seq.seq_id, s.start, s.num_new) for s in scheduled])
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            attention,
+            torch.tensor(logit_rows, dtype=torch.int64, device=self.device),
+        )  # (num_sampling_seqs, vocab)
+        sampling = [s for s in scheduled if s.samples]
+        tokens = sample(logits, [s.seq.params for s in sampling], [len(s.seq.output_token_ids) for s in sampling])
+        return {s.seq.seq_id: t for s, t in zip(sampling, tokens, strict=True)}

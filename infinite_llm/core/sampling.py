@@ -1,0 +1,97 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, reproducible with a seed.
+
+Reproducibility rule: the random draw for output token ``i`` of a request uses a generator seeded from
+``(seed, i)`` only, so a request gives the same tokens alone or in any batch, and after preemption by
+recompute (vLLM's per-request generator gives the first property; deriving from the index gives the second).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from infinite_llm.core.errors import InvalidRequest
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over 64 bits
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
+
+    Raises:
+        InvalidRequest: on construction, for any out-of-range value (message names the parameter).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}", param="max_tokens")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if self.top_k is not None and self.top_k < 1:
+            raise InvalidRequest(f"top_k must be >= 1 or unset, got {self.top_k!r}", param="top_k")
+        if any(s == "" for s in self.stop):
+            raise InvalidRequest("stop strings must not be empty", param="stop")
+        if self.seed is None:
+            object.__setattr__(self, "seed", random.getrandbits(63))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed * _SEED_MIX + index) % (1 << 63))
+    return g
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
+    """Pick one token id from ``logits [vocab_size]`` fp32 for output position ``output_index``."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / params.temperature
+    if params.top_k is not None and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        drop = cum - sorted_probs >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    assert params.seed is not None
+    return int(torch.multinomial(probs, 1, generator=_generator(params.seed, output_index)))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
+    """Sample the next token of each sequence: ``logits [num_seqs, vocab_size]`` fp32 -> ``num_seqs`` ids."""
+    assert logits.shape[0] == len(params) == len(output_indices)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    out = [0] * len(params)
+    if greedy_rows:
+        ids = torch.argmax(logits[greedy_rows], dim=-1).tolist()
+        for row, tok in zip(greedy_rows, ids, strict=True):
+            out[row] = tok
+    for i, p in enumerate(params):
+        if not p.greedy:
+            out[i] = sample_one(logits[i], p, output_indices[i])
+    return out

@@ -1,0 +1,199 @@
+"""Continuous-batching scheduler: waiting/running queues, chunked prefill under a token budget, preemption.
+
+Each step the scheduler gives every running sequence its next tokens (one for decode, a chunk for a
+prefill still in progress), then admits waiting sequences while the per-step token budget, the sequence
+cap and free rBlocks allow. When a running sequence needs an rBlock and none is free, the most recently
+admitted running sequence is preempted by recompute: its blocks are freed and it goes back to the front
+of the waiting queue with its tokens so far, to be prefilled again (vLLM v1's policy). The scheduler talks
+to KV memory only through the small :class:`BlockManager` protocol, so the same code drives local
+partitions and remote attention servers. Source: vLLM v1 ``Scheduler.schedule``, nano-vllm ``scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, NotFound
+from infinite_llm.core.sampling import SamplingParams
+
+
+class BlockManager(Protocol):
+    block_size: int
+
+    @property
+    def num_total_blocks(self) -> int: ...
+
+    def can_allocate(self, n: int) -> bool: ...
+
+    def allocate(self, seq_id: str, n: int) -> object: ...
+
+    def free(self, seq_id: str) -> int: ...
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """A request's token state. ``num_computed_tokens`` tokens have KV; ``num_blocks`` rBlocks are held."""
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_blocks: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """``num_new`` tokens of ``seq`` run this step, from position ``start``; ``samples`` when it ends the prompt."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_new == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``max_num_batched_tokens``: per-step token budget (chunked prefill); ``max_num_seqs``: batch cap."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"scheduler limits must be >= 1, got {self}")
+
+
+class Scheduler:
+    """Owns the waiting and running queues; allocates rBlocks through ``blocks``."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; raises ``CapacityExhausted`` if it could never fit in all of KV memory."""
+        if not seq.prompt_token_ids:
+            raise InvalidRequest("prompt is empty")
+        need = -(-(len(seq.prompt_token_ids) + seq.params.max_tokens) // self.blocks.block_size)
+        if need > self.blocks.num_total_blocks:
+            raise CapacityExhausted(
+                f"request needs {need} rBlocks of {self.blocks.block_size} tokens, "
+                f"the KV memory holds {self.blocks.num_total_blocks} in all"
+            )
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, f"running sequence {seq.seq_id} has nothing to compute"
+            need = self._blocks_needed(seq, num_new)
+            while not self.blocks.can_allocate(need):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            scheduled.append(self._grant(seq, num_new, need))
+            budget -= num_new
+            i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._blocks_needed(seq, num_new)
+            if not self.blocks.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._grant(seq, num_new, need))
+            budget -= num_new
+        return SchedulerOutput(scheduled, preempted)
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        return max(0, -(-(seq.num_computed_tokens + num_new) // self.blocks.block_size) - seq.num_blocks)
+
+    def _grant(self, seq: Sequence, num_new: int, need: int) -> ScheduledSeq:
+        if need:
+            self.blocks.allocate(seq.seq_id, need)
+            seq.num_blocks += need
+        return ScheduledSeq(seq, seq.num_computed_tokens, num_new)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's KV and requeue it first in line, to be recomputed from its tokens."""
+        self.blocks.free(seq.seq_id)
+        seq.num_blocks = 0
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        """Record that the step ran: every scheduled sequence now has KV for its new tokens."""
+        for s in out.scheduled:
+            assert s.seq.num_computed_tokens == s.start, "step results applied twice"
+            s.seq.num_computed_tokens += s.num_new
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stop, length, abort): free its rBlocks and drop it from the queues."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            raise NotFound(f"sequence {seq.seq_id!r} already finished")
+        self.blocks.free(seq.seq_id)
+        seq.num_blocks = 0
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,235 @@
+"""The single-process engine: continuous batching over DistAttention partitions, streaming, abort.
+
+Wires the pure core together (model, rManagers, ``LocalDistAttention``, scheduler, runner, sampler) with
+the tokenizer for text in and out. Every attention is computed as partition + merge over
+``num_partitions`` rManagers (1 = plain paged attention), so this engine is the reference the mesh is
+checked against. ``step()`` is the whole loop body; ``generate`` and ``stream`` drive it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from infinite_llm.core.config import ModelConfig
+from infinite_llm.core.dist_attention import LocalDistAttention
+from infinite_llm.core.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from infinite_llm.core.model import LlamaForCausalLM
+from infinite_llm.core.rmanager import KVLayout, RManager
+from infinite_llm.core.runner import ModelRunner
+from infinite_llm.core.sampling import SamplingParams
+from infinite_llm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from infinite_llm.engine.outputs import RequestOutput, TextStopper
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits. ``num_kv_blocks`` rBlocks in all, split evenly over ``num_partitions`` rManagers."""
+
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    num_partitions: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_partitions < 1:
+            raise ValueError(f"num_partitions must be >= 1, got {self.num_partitions}")
+        if self.num_kv_blocks < self.num_partitions:
+            raise ValueError(f"num_kv_blocks {self.num_kv_blocks} < num_partitions {self.num_partitions}")
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: object  # models.tokenizer.IncrementalDetokenizer
+    stopper: TextStopper
+    emitted_tokens: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching engine of one process. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig) -> None:  # noqa: ANN001
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.kv = LocalDistAttention(_make_holders(model.config, config))
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.runner = ModelRunner(model, self.kv.prepare, config.device)
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a model (HF dir, GGUF file, or None for the default model) and build an engine."""
+        from infinite_llm.models.registry import load_model_files, resolve_model
+
+        config = config or EngineConfig()
+        model_config, state_dict, tokenizer = load_model_files(resolve_model(model), config.dtype)
+        net = LlamaForCausalLM(model_config)
+        net.load_state_dict_hf(state_dict)
+        net = net.to(device=config.device, dtype=config.dtype).eval()
+        return cls(net, tokenizer, config)
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Validate and queue a request; returns its id.
+
+        Raises:
+            InvalidRequest: empty prompt, token ids outside the vocabulary, duplicate request id.
+            ContextLengthExceeded: prompt + ``max_tokens`` exceeds the model's maximum length.
+            CapacityExhausted: the request could never fit in the engine's KV memory.
+        """
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params)
+        self.scheduler.add(seq)
+        from infinite_llm.models.tokenizer import IncrementalDetokenizer
+
+        self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer), TextStopper(params.stop))
+        return request_id
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+        limit = self.model_config.max_position_embeddings
+        if len(ids) + params.max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's maximum "
+                f"length of {limit} tokens",
+                param="max_tokens",
+            )
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """End a request now; its rBlocks are freed. Raises ``NotFound`` for an unknown or finished id."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise NotFound(f"no running request {request_id!r}")
+        self.scheduler.finish(req.seq, "abort")
+        return self._finish_output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, apply stop conditions. Returns one output per request
+        that produced a token or finished this step."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        sampled = self.runner.run(out.scheduled)
+        self.scheduler.mark_computed(out)
+        return self._process(out, sampled)
+
+    def _process(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        results = []
+        for s in out.scheduled:
+            token = sampled.get(s.seq.seq_id)
+            if token is None:
+                continue
+            req = self._requests[s.seq.seq_id]
+            s.seq.output_token_ids.append(token)
+            results.append(self._on_token(req, token))
+        return results
+
+    def _on_token(self, req: _Request, token: int) -> RequestOutput:
+        seq, p = req.seq, req.seq.params
+        is_eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
+        reason = "stop" if is_eos or token in p.stop_token_ids else None
+        text, stopped = ("", False) if reason else req.stopper.push(req.detok.push(token))
+        if stopped:
+            reason = "stop"
+        elif reason is None and len(seq.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is None:
+            return self._delta(req, text)
+        self.scheduler.finish(seq, reason)
+        return self._finish_output(req, text)
+
+    def _delta(self, req: _Request, text: str, finished: bool = False) -> RequestOutput:
+        seq = req.seq
+        new_ids = seq.output_token_ids[req.emitted_tokens :]
+        req.emitted_tokens = len(seq.output_token_ids)
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text=text,
+            token_ids=list(seq.output_token_ids),
+            text=req.stopper.emitted_text,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def _finish_output(self, req: _Request, text: str = "") -> RequestOutput:
+        del self._requests[req.seq.seq_id]
+        return self._delta(req, text + req.stopper.flush(), finished=True)
+
+    # ---- drivers -------------------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run ``prompts`` to completion together; returns final outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(pr, pa) for pr, pa in zip(prompts, plist, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Yield this request's deltas as they are produced (other queued requests advance too)."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for o in self.step():
+                    if o.request_id == rid:
+                        yield o
+                        if o.finished:
+                            return
+        finally:
+            if rid in self._requests:
+                self.abort(rid)
+
+
+def _make_holders(model: ModelConfig, config: EngineConfig) -> list[RManager]:
+    assert model.head_dim is not None
+    layout = KVLayout(model.num_hidden_layers, config.block_size, model.num_key_value_heads, model.head_dim, config.dtype)
+    base, extra = divmod(config.num_kv_blocks, config.num_partitions)
+    impl = _attention_impl()
+    return [
+        RManager(base + (1 if p < extra else 0), layout, config.device, attention_impl=impl)
+        for p in range(config.num_partitions)
+    ]
+
+
+def _attention_impl():  # noqa: ANN202
+    """The kernels package dispatches to Triton on CUDA and to the torch reference on CPU."""
+    try:
+        from infinite_llm.kernels import partial_attention
+    except ImportError:  # pragma: no cover - kernels package is part of the wheel
+        from infinite_llm.core.attention import partial_attention
+    return partial_attention
