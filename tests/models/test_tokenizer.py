@@ -1,0 +1,121 @@
+"""Tokenizer wrapper (from our cache) against transformers' tokenizer (from the GGUF); streaming decode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from infinite_llm.core.errors import InvalidRequest
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces and\ttabs\nnew lines  ",
+    "naïve café, Zürich, Ελληνικά, русский",
+    "日本語のテキスト、中文文本",
+    "emoji: 😀👍🏽 🇫🇷 👨‍👩‍👧 (family = ZWJ sequence)",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|>",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi 👋"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tok(default_weights):
+    return default_weights[2]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_equals_transformers(tok, hf_tokenizer, text, add_special_tokens):
+    assert tok.encode(text, add_special_tokens=add_special_tokens) == hf_tokenizer.encode(
+        text, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_equals_transformers(tok, hf_tokenizer, text, skip_special_tokens):
+    ids = hf_tokenizer.encode(text)
+    expected = hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert tok.decode(ids, skip_special_tokens) == expected
+
+
+def test_known_token_ids(tok):
+    assert tok.encode("Hello world") == [19556, 905]
+    assert tok.decode([19556, 905, 2]) == "Hello world"
+    assert tok.decode([19556, 905, 2], skip_special_tokens=False) == "Hello world<|im_end|>"
+    assert (tok.vocab_size, tok.eos_token_ids, tok.bos_token_id) == (49152, (2,), 1)
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_equals_transformers(tok, hf_tokenizer, messages, add_generation_prompt):
+    expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False)
+    assert tok.apply_chat_template(messages, add_generation_prompt) == expected
+    expected_ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    tokenize=True, return_dict=True)["input_ids"]
+    assert tok.encode_chat(messages, add_generation_prompt) == expected_ids
+
+
+def test_default_chat_template_adds_smollm_system_prompt(tok):
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_missing_chat_template_raises_invalid_request(tok, monkeypatch):
+    monkeypatch.setattr(tok.hf, "chat_template", None)
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        tok.apply_chat_template(CHATS[0])
+
+
+def stream(tok, ids, prompt_ids=()):
+    """(pieces returned by push, text returned by flush) for streaming ``ids``."""
+    detok = tok.detokenizer(prompt_ids)
+    pieces = [detok.push(i) for i in ids]
+    return pieces, detok.flush()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_pieces_concatenate_to_decode(tok, text):
+    ids = tok.encode(text)
+    pieces, rest = stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids)
+    assert rest == ""
+
+
+def test_stream_holds_back_partial_utf8_until_the_character_completes(tok):
+    ids = tok.encode("ab😀")
+    assert len(ids) > 2 and tok.decode(ids[:-1]).endswith("\ufffd")  # the emoji spans several byte tokens
+    pieces, rest = stream(tok, ids)
+    assert "".join(pieces) == "ab😀" and rest == ""
+    assert "\ufffd" not in "".join(pieces) and pieces[-2] == ""
+
+
+def test_flush_returns_an_unfinished_character(tok):
+    ids = tok.encode("ab😀")[:-1]
+    pieces, rest = stream(tok, ids)
+    assert "".join(pieces) == "ab" and rest.endswith("\ufffd")
+    assert "".join(pieces) + rest == tok.decode(ids)
+
+
+def test_stream_after_prompt_emits_only_generated_text(tok):
+    prompt = tok.encode("The capital of France is")
+    ids = tok.encode(" Paris, of course! 🇫🇷")
+    pieces, rest = stream(tok, ids, prompt_ids=prompt)
+    assert "".join(pieces) + rest == " Paris, of course! 🇫🇷"
+
+
+def test_stream_of_random_tokens_matches_decode(tok):
+    """Random ids mix stray UTF-8 continuation bytes, specials and words: the invariant must still hold."""
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        pieces, rest = stream(tok, ids)
+        assert "".join(pieces) + rest == tok.decode(ids), ids
