@@ -22,9 +22,13 @@ $(STAMP): pyproject.toml
 model: install
 	$(BIN)/infinite-llm fetch-model
 
+# The main job: a question about a real document that ships with the OS (~2,500 tokens), answered by
+# the engine with its KV cut into rBlocks over 4 DistAttention partitions.
+DOC ?= /usr/share/common-licenses/Apache-2.0
+QUESTION ?= According to this license, what must you do when you redistribute the Work? Answer briefly.
 run: install model
-	$(BIN)/infinite-llm generate --chat --max-tokens 64 \
-		--prompt "In two sentences, what is the KV cache of a transformer and why does it grow with context length?"
+	{ cat $(DOC); printf '\n\nQuestion: %s\n' "$(QUESTION)"; } | \
+		$(BIN)/infinite-llm generate --chat --prompt-file - --max-tokens 96 --num-partitions 4
 
 test: install model
 	$(BIN)/python -m pytest -q -ra

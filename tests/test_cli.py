@@ -1,0 +1,65 @@
+"""``infinite-llm generate`` as a user runs it: a real process, only the text on stdout, clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infinite_llm.core.sampling import SamplingParams
+
+CLI = [sys.executable, "-m", "infinite_llm.cli"]
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([*CLI, *args], input=stdin, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine):
+    return make_engine(num_kv_blocks=256)
+
+
+def test_generate_prints_only_the_greedy_text(engine):
+    proc = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    ref = engine.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert proc.stdout == ref.text + "\n"
+    assert "tokens/s" in proc.stderr
+
+
+def test_chat_prompt_from_stdin_uses_the_chat_template(engine, tmp_path: Path):
+    question = "What is 2 + 2?"
+    proc = run_cli("generate", "--chat", "--prompt-file", "-", "--max-tokens", "10", stdin=question)
+    assert proc.returncode == 0, proc.stderr
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    ids = engine.tokenizer.encode(chat, add_special_tokens=False)
+    ref = engine.generate([ids], SamplingParams(max_tokens=10, temperature=0))[0]
+    assert proc.stdout == ref.text + "\n"
+    f = tmp_path / "q.txt"
+    f.write_text(question)
+    assert run_cli("generate", "--chat", "--prompt-file", str(f), "--max-tokens", "10").stdout == proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens must be a positive integer"),
+        (["--prompt", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--max-tokens", "9000"], "exceeds the model's maximum length"),
+        (["--prompt-file", "/nonexistent/file.txt"], "does not exist"),
+        (["--prompt", "hi", "--model", "/nonexistent/model"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(args, message):
+    proc = run_cli("generate", *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    flat = " ".join(proc.stderr.replace("│", " ").split())  # rich may box and wrap the message
+    assert message in flat, proc.stderr
+    assert proc.stdout == ""
