@@ -81,6 +81,13 @@ class LocalDistAttention:
         self._tables.setdefault(seq_id, []).extend(entries)
         return entries
 
+    def try_allocate(self, seq_id: str, n: int) -> bool:
+        """All-or-nothing :meth:`allocate`; False when too few blocks are free (nothing changes)."""
+        if not self.can_allocate(n):
+            return False
+        self.allocate(seq_id, n)
+        return True
+
     def free(self, seq_id: str) -> int:
         """Free every rBlock of ``seq_id`` on every holder; returns the number freed."""
         self._tables.pop(seq_id, None)

@@ -21,14 +21,15 @@ from infinite_llm.core.sampling import SamplingParams
 
 
 class BlockManager(Protocol):
+    """Where rBlocks come from. ``try_allocate`` is all-or-nothing: a remote placement may fail even when
+    a stale capacity view said it would fit, so the scheduler never relies on a separate check."""
+
     block_size: int
 
     @property
     def num_total_blocks(self) -> int: ...
 
-    def can_allocate(self, n: int) -> bool: ...
-
-    def allocate(self, seq_id: str, n: int) -> object: ...
+    def try_allocate(self, seq_id: str, n: int) -> bool: ...
 
     def free(self, seq_id: str) -> int: ...
 
@@ -135,8 +136,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, f"running sequence {seq.seq_id} has nothing to compute"
-            need = self._blocks_needed(seq, num_new)
-            while not self.blocks.can_allocate(need):
+            while not self._try_grow(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -144,30 +144,28 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            scheduled.append(self._grant(seq, num_new, need))
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self._blocks_needed(seq, num_new)
-            if not self.blocks.can_allocate(need):
+            if not self._try_grow(seq, num_new):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(self._grant(seq, num_new, need))
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
 
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        return max(0, -(-(seq.num_computed_tokens + num_new) // self.blocks.block_size) - seq.num_blocks)
-
-    def _grant(self, seq: Sequence, num_new: int, need: int) -> ScheduledSeq:
-        if need:
-            self.blocks.allocate(seq.seq_id, need)
-            seq.num_blocks += need
-        return ScheduledSeq(seq, seq.num_computed_tokens, num_new)
+    def _try_grow(self, seq: Sequence, num_new: int) -> bool:
+        """Give ``seq`` the rBlocks its next ``num_new`` tokens need; False (nothing changed) if none."""
+        need = max(0, -(-(seq.num_computed_tokens + num_new) // self.blocks.block_size) - seq.num_blocks)
+        if need and not self.blocks.try_allocate(seq.seq_id, need):
+            return False
+        seq.num_blocks += need
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV and requeue it first in line, to be recomputed from its tokens."""

@@ -11,18 +11,28 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from infinite_llm.core.config import ModelConfig
-from infinite_llm.core.dist_attention import LocalDistAttention
+from infinite_llm.core.dist_attention import LocalDistAttention, SeqStepInput
 from infinite_llm.core.errors import ContextLengthExceeded, InvalidRequest, NotFound
-from infinite_llm.core.model import LlamaForCausalLM
+from infinite_llm.core.model import AttentionFn, LlamaForCausalLM
 from infinite_llm.core.rmanager import KVLayout, RManager
 from infinite_llm.core.runner import ModelRunner
 from infinite_llm.core.sampling import SamplingParams
-from infinite_llm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from infinite_llm.core.scheduler import BlockManager, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from infinite_llm.engine.outputs import RequestOutput, TextStopper
+
+
+class KVBackend(BlockManager, Protocol):
+    """Block manager + attention over where the KV lives (local partitions or remote attention servers)."""
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def prepare(self, seqs: list[SeqStepInput]) -> AttentionFn: ...
 
 
 @dataclass(frozen=True)
@@ -57,11 +67,13 @@ class _Request:
 class LLMEngine:
     """Continuous-batching engine of one process. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig) -> None:  # noqa: ANN001
+    def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig, kv: KVBackend | None = None) -> None:  # noqa: ANN001
+        """``kv`` says where KV lives: default ``num_partitions`` local rManagers; a compute instance passes
+        its remote attention servers."""
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.config = config
-        self.kv = LocalDistAttention(_make_holders(model.config, config))
+        self.kv: KVBackend = kv if kv is not None else LocalDistAttention(_make_holders(model.config, config))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(model, self.kv.prepare, config.device)
         self._requests: dict[str, _Request] = {}
@@ -78,13 +90,18 @@ class LLMEngine:
 
     @classmethod
     def from_weights(
-        cls, model_config: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer, config: EngineConfig  # noqa: ANN001
+        cls,
+        model_config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        tokenizer,  # noqa: ANN001
+        config: EngineConfig,
+        kv: KVBackend | None = None,
     ) -> LLMEngine:
         """Build an engine from already loaded HF-named weights (lets tests share one load)."""
         net = LlamaForCausalLM(model_config)
         net.load_state_dict_hf(state_dict)
         net = net.to(device=config.device, dtype=config.dtype).eval()
-        return cls(net, tokenizer, config)
+        return cls(net, tokenizer, config, kv)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
