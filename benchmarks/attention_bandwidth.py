@@ -73,9 +73,16 @@ def main() -> None:
     start = 0
     for p in parts:
         m = make_meta(p, a.context, a.block_size)
-        metas.append(PartialAttentionMetadata(
-            m.query_start_loc, m.query_positions, m.block_ids, torch.arange(start, start + p.numel())[None, :],
-            m.num_blocks, m.context_lens))
+        metas.append(
+            PartialAttentionMetadata(
+                m.query_start_loc,
+                m.query_positions,
+                m.block_ids,
+                torch.arange(start, start + p.numel())[None, :],
+                m.num_blocks,
+                m.context_lens,
+            )
+        )
         start += p.numel()
 
     def split_and_merge():
@@ -83,15 +90,29 @@ def main() -> None:
         return merge_partials(list(outs), list(lses))
 
     split = timed(split_and_merge, a.repeat)
-    k_flat = k_cache[block_ids].flatten(0, 1)[: a.context].transpose(0, 1).repeat_interleave(a.num_heads // a.num_kv_heads, 0).contiguous()
-    v_flat = v_cache[block_ids].flatten(0, 1)[: a.context].transpose(0, 1).repeat_interleave(a.num_heads // a.num_kv_heads, 0).contiguous()
+    k_flat = (
+        k_cache[block_ids]
+        .flatten(0, 1)[: a.context]
+        .transpose(0, 1)
+        .repeat_interleave(a.num_heads // a.num_kv_heads, 0)
+        .contiguous()
+    )
+    v_flat = (
+        v_cache[block_ids]
+        .flatten(0, 1)[: a.context]
+        .transpose(0, 1)
+        .repeat_interleave(a.num_heads // a.num_kv_heads, 0)
+        .contiguous()
+    )
     qs = q.transpose(0, 1)[:, None] if False else q.transpose(0, 1)  # (H, 1, D)
     sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k_flat, v_flat), a.repeat)
     sdpa_bytes = 2 * a.context * a.num_heads * a.head_dim * 4  # SDPA reads K/V expanded to every query head
 
     copy = memcpy_gbps()
-    print(f"context {a.context} tokens, {a.num_heads} heads / {a.num_kv_heads} KV heads x {a.head_dim}, "
-          f"block_size {a.block_size}, fp32, threads {torch.get_num_threads()}")
+    print(
+        f"context {a.context} tokens, {a.num_heads} heads / {a.num_kv_heads} KV heads x {a.head_dim}, "
+        f"block_size {a.block_size}, fp32, threads {torch.get_num_threads()}"
+    )
     print(f"KV bytes per layer and step: {kv_bytes / 2**20:.1f} MiB")
     rows = [
         ("memcpy (torch copy_, 1 GiB)", None, copy),

@@ -38,8 +38,14 @@ def hf_seconds(model, tokenizer, ids: list[list[int]], n: int) -> float:
     mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
     t = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert out.shape[1] == width + n
     return time.perf_counter() - t
 
@@ -61,10 +67,13 @@ def main() -> None:
     resolved = resolve_model(None)
     cfg, state_dict, tokenizer = load_model_files(resolved, torch.float32)
     engine = LLMEngine.from_weights(cfg, state_dict, tokenizer, EngineConfig(num_partitions=a.partitions))
-    hf = AutoModelForCausalLM.from_pretrained(str(resolved.path.parent), gguf_file=resolved.path.name,
-                                              dtype=torch.float32).eval()
-    print(f"model {resolved.name}, fp32, CPU threads {torch.get_num_threads()}, {a.new_tokens} new tokens, "
-          f"engine partitions {a.partitions}")
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(resolved.path.parent), gguf_file=resolved.path.name, dtype=torch.float32
+    ).eval()
+    print(
+        f"model {resolved.name}, fp32, CPU threads {torch.get_num_threads()}, {a.new_tokens} new tokens, "
+        f"engine partitions {a.partitions}"
+    )
     print(f"{'batch':>5s} {'engine tok/s':>13s} {'HF tok/s':>10s} {'engine/HF':>10s}")
     for batch in a.batches:
         ids = prompts(tokenizer, batch)

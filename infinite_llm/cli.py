@@ -47,7 +47,9 @@ def generate(
     top_k: Annotated[int | None, typer.Option(help="Sample among the k most likely tokens.")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
-    model: Annotated[str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = 16,
     kv_blocks: Annotated[int, typer.Option(help="rBlocks of KV memory in all.")] = 2048,
@@ -63,10 +65,17 @@ def generate(
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"unknown dtype {dtype!r}; use float32 or bfloat16", param_hint="--dtype")
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ())
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop or ()),
     )
     config = EngineConfig(
-        block_size=block_size, num_kv_blocks=kv_blocks, num_partitions=num_partitions,
+        block_size=block_size,
+        num_kv_blocks=kv_blocks,
+        num_partitions=num_partitions,
         dtype=getattr(torch, _DTYPES[dtype]),
     )
     with err.status("loading model...", spinner="dots"):

@@ -12,8 +12,9 @@ Placement puts each new rBlock on the holder with the most free blocks (lowest i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -22,7 +23,8 @@ from infinite_llm.core.errors import CapacityExhausted, InvalidRequest
 from infinite_llm.core.model import AttentionFn
 from infinite_llm.core.rmanager import HolderSeqStep, RManager, StepPlan
 
-BlockTableEntry = tuple[int, int]  # (holder_id, block_id)
+BlockTableEntry = tuple[int, int]  # (holder_id, block_id); a remote holder id is a server id string
+H = TypeVar("H", bound=Hashable)  # a holder id: partition index or server id
 MergeFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -101,7 +103,7 @@ class LocalDistAttention:
         rows_of: dict[int, list[int]] = {}
         start = 0
         for s in seqs:
-            for p, item in self._split(s).items():
+            for p, item in split_step(self._tables.get(s.seq_id, []), self.block_size, s).items():
                 per_holder.setdefault(p, []).append(item)
                 rows_of.setdefault(p, []).extend(range(start, start + s.num_new))
             start += s.num_new
@@ -109,30 +111,6 @@ class LocalDistAttention:
             plan = self.holders[p].plan_step(per_holder[p])
             plans.append((p, plan, torch.tensor(rows_of[p], dtype=torch.int64)))
         return lambda layer, q, k, v: self._attend(layer, plans, q, k, v)
-
-    def _split(self, s: SeqStepInput) -> dict[int, HolderSeqStep]:
-        """Cut one sequence's step into per-holder items by its block table."""
-        table = self._tables.get(s.seq_id, [])
-        bs = self.block_size
-        context_len = s.num_computed + s.num_new
-        if len(table) * bs < context_len:
-            raise InvalidRequest(f"sequence {s.seq_id!r} has {len(table)} rBlocks for {context_len} tokens")
-        positions = list(range(s.num_computed, context_len))
-        blocks: dict[int, tuple[list[int], list[int]]] = {}
-        for i, (p, b) in enumerate(table[: -(-context_len // bs)]):
-            ids, idx = blocks.setdefault(p, ([], []))
-            ids.append(b)
-            idx.append(i)
-        new: dict[int, tuple[list[int], list[int]]] = {}
-        for row, pos in enumerate(positions):
-            p, b = table[pos // bs]
-            slots, rows = new.setdefault(p, ([], []))
-            slots.append(b * bs + pos % bs)
-            rows.append(row)
-        return {
-            p: HolderSeqStep(s.seq_id, positions, context_len, ids, idx, *new.get(p, ([], [])))
-            for p, (ids, idx) in blocks.items()
-        }
 
     def _attend(
         self,
@@ -153,3 +131,31 @@ class LocalDistAttention:
         if len(plans) == 1:
             return outs[0]
         return self._merge(outs, lses)[0]
+
+
+def split_step(table: Sequence[tuple[H, int]], block_size: int, s: SeqStepInput) -> dict[H, HolderSeqStep]:
+    """Cut one sequence's step into per-holder items by its block table ``[(holder, block_id), ...]``.
+
+    Every holder of a block covering ``[0, num_computed + num_new)`` gets all of the step's queries (its
+    keys are part of every query's context) and the new tokens whose slots it holds. Raises
+    :class:`InvalidRequest` when the table is too short for the step.
+    """
+    context_len = s.num_computed + s.num_new
+    if len(table) * block_size < context_len:
+        raise InvalidRequest(f"sequence {s.seq_id!r} has {len(table)} rBlocks for {context_len} tokens")
+    positions = list(range(s.num_computed, context_len))
+    blocks: dict[H, tuple[list[int], list[int]]] = {}
+    for i, (p, b) in enumerate(table[: -(-context_len // block_size)]):
+        ids, idx = blocks.setdefault(p, ([], []))
+        ids.append(b)
+        idx.append(i)
+    new: dict[H, tuple[list[int], list[int]]] = {}
+    for row, pos in enumerate(positions):
+        p, b = table[pos // block_size]
+        slots, rows = new.setdefault(p, ([], []))
+        slots.append(b * block_size + pos % block_size)
+        rows.append(row)
+    return {
+        p: HolderSeqStep(s.seq_id, positions, context_len, ids, idx, *new.get(p, ([], [])))
+        for p, (ids, idx) in blocks.items()
+    }

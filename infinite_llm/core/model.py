@@ -71,7 +71,9 @@ class Attention(nn.Module):
         super().__init__()
         assert cfg.head_dim is not None
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
         )
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)

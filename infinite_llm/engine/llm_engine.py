@@ -104,9 +104,7 @@ class LLMEngine:
         return cls(net, tokenizer, config, kv)
 
     # ---- requests ------------------------------------------------------------------------------------
-    def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Validate and queue a request; returns its id.
 
         Raises:
@@ -216,7 +214,9 @@ class LLMEngine:
         return self._delta(req, text + req.stopper.flush(), finished=True)
 
     # ---- drivers -------------------------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
         """Run ``prompts`` to completion together; returns final outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(pr, pa) for pr, pa in zip(prompts, plist, strict=True)]
@@ -244,7 +244,9 @@ class LLMEngine:
 
 def _make_holders(model: ModelConfig, config: EngineConfig) -> list[RManager]:
     assert model.head_dim is not None
-    layout = KVLayout(model.num_hidden_layers, config.block_size, model.num_key_value_heads, model.head_dim, config.dtype)
+    layout = KVLayout(
+        model.num_hidden_layers, config.block_size, model.num_key_value_heads, model.head_dim, config.dtype
+    )
     base, extra = divmod(config.num_kv_blocks, config.num_partitions)
     impl = _attention_impl()
     return [

@@ -79,7 +79,7 @@ def test_partial_attention_merge_equals_sdpa(num_heads, num_kv_heads, mode, num_
     seqs_kv = [(torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)) for n in ctx_lens]
     k_cache, v_cache, tables = _store(seqs_kv, block_size, num_kv_heads, head_dim, rng)
     q_lens = [1 if mode == "decode" else rng.randint(1, n) for n in ctx_lens]
-    q_positions = torch.cat([torch.arange(n - ql, n) for n, ql in zip(ctx_lens, q_lens)])
+    q_positions = torch.cat([torch.arange(n - ql, n) for n, ql in zip(ctx_lens, q_lens, strict=True)])
     q = torch.randn(int(sum(q_lens)), num_heads, head_dim)
 
     splits = [_random_partition(len(t), num_parts, rng) for t in tables]

@@ -50,7 +50,11 @@ def test_decodes_run_first_then_waiting_prefills_fill_the_budget():
     assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [("a", 2), ("b", 4)]
     _run(sched, out)
     out = sched.schedule()
-    assert [(s.seq.seq_id, s.start, s.num_new) for s in out.scheduled] == [("a", 2, 1), ("b", 4, 1), ("c", 0, 3)]
+    assert [(s.seq.seq_id, s.start, s.num_new) for s in out.scheduled] == [
+        ("a", 2, 1),
+        ("b", 4, 1),
+        ("c", 0, 3),
+    ]
 
 
 def test_max_num_seqs_caps_the_running_batch():

@@ -69,8 +69,12 @@ def test_seeded_sampling_is_reproducible_across_batches_and_preemption(make_engi
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     alone = make_engine(num_kv_blocks=64).generate([ids[0]], params)[0].token_ids
     crowded = make_engine(num_kv_blocks=12, num_partitions=3)  # 12 sequences, each needs 2+ blocks
-    outs = crowded.generate(ids[:12], [params] + [SamplingParams(max_tokens=16, temperature=0.7, seed=s) for s in range(11)])
+    outs = crowded.generate(
+        ids[:12], [params] + [SamplingParams(max_tokens=16, temperature=0.7, seed=s) for s in range(11)]
+    )
     assert crowded.num_preemptions > 0
     assert outs[0].token_ids == alone
-    other_seed = make_engine(num_kv_blocks=64).generate([ids[0]], SamplingParams(max_tokens=16, temperature=0.9, seed=99))
+    other_seed = make_engine(num_kv_blocks=64).generate(
+        [ids[0]], SamplingParams(max_tokens=16, temperature=0.9, seed=99)
+    )
     assert other_seed[0].token_ids != alone

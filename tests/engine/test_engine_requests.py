@@ -27,7 +27,12 @@ def test_stop_string_cuts_text_and_finishes_with_stop(engine):
     full = engine.generate(["Count from one to ten: one, two,"], SamplingParams(max_tokens=30, temperature=0))[0]
     assert " four" in full.text, full.text
     stop = " four"
-    pieces = [o.new_text for o in engine.stream("Count from one to ten: one, two,", SamplingParams(max_tokens=30, temperature=0, stop=(stop,)))]
+    pieces = [
+        o.new_text
+        for o in engine.stream(
+            "Count from one to ten: one, two,", SamplingParams(max_tokens=30, temperature=0, stop=(stop,))
+        )
+    ]
     text = "".join(pieces)
     assert text == full.text[: full.text.index(stop)]
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
@@ -39,14 +44,16 @@ def test_eos_finishes_with_stop_and_ignore_eos_runs_to_length(engine):
     out = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in engine.tokenizer.eos_token_ids
     assert len(out.token_ids) < 64
-    forced = engine.generate([ids], SamplingParams(max_tokens=len(out.token_ids) + 3, temperature=0, ignore_eos=True))[0]
+    forced = engine.generate([ids], SamplingParams(max_tokens=len(out.token_ids) + 3, temperature=0, ignore_eos=True))[
+        0
+    ]
     assert forced.finish_reason == "length" and forced.token_ids[: len(out.token_ids)] == out.token_ids
 
 
 def test_abort_mid_stream_returns_every_block(engine):
     total = engine.kv.num_total_blocks
     stream = engine.stream("Write a long story about a dragon." * 20, SamplingParams(max_tokens=200, temperature=0))
-    for i, out in enumerate(stream):
+    for i, _ in enumerate(stream):
         if i == 3:
             assert engine.kv.num_free_blocks < total
             break
@@ -81,8 +88,12 @@ def test_bad_requests_raise_typed_errors_and_change_nothing(engine, prompt, para
 
 @pytest.mark.parametrize(
     "params,match",
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-     ({"top_p": 1.01}, "top_p")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+    ],
 )
 def test_bad_sampling_parameters_are_typed_errors(params, match):
     with pytest.raises(InvalidRequest, match=match):

@@ -11,7 +11,7 @@ from tests.conftest import LONG_DOCUMENT
 LOGITS_TOL = 1e-3
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Photosynthesis is the process by which plants",
     "Here is a short poem about the sea:\n",
     "Q: What is the boiling point of water at sea level in Celsius?\nA:",
@@ -36,10 +36,15 @@ class LogitsRecorder:
 
 def hf_greedy(hf_model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     out = hf_model.generate(
-        torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True,
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0,
+        torch.tensor([ids]),
+        max_new_tokens=n,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        pad_token_id=0,
     )
-    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)  # (n, vocab)
+    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits)  # (n, vocab)
 
 
 def test_greedy_tokens_equal_hf_for_real_prompts_in_one_batch(make_engine, hf_model):
