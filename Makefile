@@ -43,3 +43,15 @@ bench: install model
 
 clean:
 	rm -rf $(VENV) .model_cache .pytest_cache .ruff_cache
+
+# Generated protobuf/gRPC code is checked in (installs need no protoc); protos/generate.py documents the
+# layout. proto-check regenerates into a temporary directory and fails when the committed code is stale.
+.PHONY: proto proto-check
+proto: install
+	$(BIN)/python protos/generate.py
+
+proto-check: install
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		$(BIN)/python protos/generate.py --out "$$tmp" >/dev/null && \
+		diff -r -x __pycache__ "$$tmp" infinite_llm/pb/v1 && echo "generated code is up to date" || \
+		{ echo "infinite_llm/pb/v1 is stale: run 'make proto'" >&2; exit 1; }

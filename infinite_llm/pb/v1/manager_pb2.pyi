@@ -1,0 +1,127 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("server_id", "address", "capacity_blocks", "block_size", "kind")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    address: str
+    capacity_blocks: int
+    block_size: int
+    kind: str
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("lease_ttl_s",)
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_s: int
+    def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("server_id", "free_blocks", "used_blocks", "num_sequences")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    free_blocks: int
+    used_blocks: int
+    num_sequences: int
+    def __init__(self, server_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PlaceRequest(_message.Message):
+    __slots__ = ("seq_id", "num_blocks", "near_server_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEAR_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_blocks: int
+    near_server_id: str
+    def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., near_server_id: _Optional[str] = ...) -> None: ...
+
+class BlockGrant(_message.Message):
+    __slots__ = ("server_id", "address", "block_ids")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    address: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlaceResponse(_message.Message):
+    __slots__ = ("grants",)
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
+    def __init__(self, grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("num_freed",)
+    NUM_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_freed: int
+    def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
+
+class ClusterStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerState(_message.Message):
+    __slots__ = ("server_id", "address", "capacity_blocks", "free_blocks", "used_blocks", "num_sequences", "block_size")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    address: str
+    capacity_blocks: int
+    free_blocks: int
+    used_blocks: int
+    num_sequences: int
+    block_size: int
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class LedgerEntry(_message.Message):
+    __slots__ = ("seq_id", "shares")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    shares: _containers.RepeatedCompositeFieldContainer[KVShare]
+    def __init__(self, seq_id: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[KVShare, _Mapping]]] = ...) -> None: ...
+
+class KVShare(_message.Message):
+    __slots__ = ("server_id", "num_blocks")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    num_blocks: int
+    def __init__(self, server_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ClusterStateResponse(_message.Message):
+    __slots__ = ("servers", "ledger")
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
+    servers: _containers.RepeatedCompositeFieldContainer[ServerState]
+    ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ...) -> None: ...

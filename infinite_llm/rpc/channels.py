@@ -1,0 +1,69 @@
+"""Client channels with the server's options, and deadlines that shrink as a request travels.
+
+Every call has a deadline (DESIGN.md §4). :func:`aio_channel` gives calls without one the default and
+forwards the current request id; :class:`Deadline` carries one absolute deadline across several calls
+(``timeout=deadline.remaining()``), e.g. from an incoming call's context to the calls it makes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from infinite_llm.core.errors import InfiniteLLMError
+from infinite_llm.rpc.interceptors import DefaultDeadlineInterceptor, RequestIdClientInterceptor
+from infinite_llm.rpc.options import DEFAULT_TIMEOUT_S, channel_options
+
+
+class DeadlineExceeded(InfiniteLLMError):
+    """A request ran out of time before a downstream call could start."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+    http_status = 504
+    openai_type = "timeout_error"
+
+
+def aio_channel(
+    target: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+) -> grpc.aio.Channel:
+    """An insecure ``grpc.aio`` channel to ``target`` (``host:port``) with the shared options.
+
+    Calls without a ``timeout`` get ``timeout_s`` seconds; calls carry the current request id.
+    """
+    chain = [RequestIdClientInterceptor(), DefaultDeadlineInterceptor(timeout_s), *interceptors]
+    return grpc.aio.insecure_channel(target, options=channel_options(), interceptors=chain)
+
+
+def sync_channel(target: str) -> grpc.Channel:
+    """A blocking channel with the shared options (tools, tests); pass ``timeout=`` on each call."""
+    return grpc.insecure_channel(target, options=channel_options())
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """An absolute deadline on the monotonic clock (seconds)."""
+
+    expires_at: float
+
+    @classmethod
+    def after(cls, seconds: float = DEFAULT_TIMEOUT_S) -> Deadline:
+        return cls(time.monotonic() + seconds)
+
+    @classmethod
+    def of_call(cls, context: grpc.aio.ServicerContext, cap: float = DEFAULT_TIMEOUT_S) -> Deadline:
+        """The deadline of the call being served (at most ``cap`` seconds away)."""
+        remaining = context.time_remaining()
+        return cls.after(cap if remaining is None else min(remaining, cap))
+
+    def remaining(self) -> float:
+        """Seconds left, for ``timeout=``. Raises :class:`DeadlineExceeded` when none are."""
+        left = self.expires_at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"deadline passed {-left:.3f} s ago")
+        return left

@@ -1,0 +1,48 @@
+"""Channel and server options in one place, so both ends of every connection agree.
+
+Sizes are bytes, times are seconds unless the option name says ``_ms``.
+"""
+
+from __future__ import annotations
+
+# A prefill chunk's AttendStep carries queries [tokens, heads, head_dim] plus new K/V: 2048 tokens of a
+# 32-head, 128-dim fp32 model is ~32 MiB of queries alone. gRPC's default receive limit (4 MiB) would
+# refuse it; 256 MiB leaves headroom. Bulk transfers (migration) stream ~1 MiB chunks instead.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+# Keepalive: a client pings an idle connection every 30 s and drops it after 10 s without an answer, so a
+# dead peer is noticed in < 1 min. The server accepts pings every 10 s (it would otherwise answer a
+# ping-happy client with GOAWAY "too_many_pings").
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_PING_INTERVAL_MS = 10_000
+
+DEFAULT_TIMEOUT_S = 30.0  # deadline of a call that names none (DESIGN.md §4: every call has a deadline)
+DEFAULT_GRACE_S = 5.0  # server.stop(grace): in-flight calls get this long to finish
+
+Options = list[tuple[str, int | str]]
+
+
+def _common() -> Options:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options() -> Options:
+    """Options of every server. ``so_reuseport=0``: a second server on a taken port fails to bind."""
+    return _common() + [
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+def channel_options() -> Options:
+    """Options of every client channel."""
+    return _common() + [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ]

@@ -1,0 +1,100 @@
+"""The common ``grpc.aio`` server: options, interceptors, health and reflection, graceful stop.
+
+Every service process starts its servicers through :func:`start_server`, so each one answers the
+standard ``grpc.health.v1.Health`` (SERVING for ``""`` and every service; NOT_SERVING once stopping, which
+Kubernetes' gRPC probes read) and server reflection (``grpcurl list``), and runs the request-id and
+error-mapping interceptors (``rpc/interceptors/``) in that order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from infinite_llm.core.errors import Unavailable
+from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
+from infinite_llm.rpc.options import DEFAULT_GRACE_S, server_options
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Service:
+    """A servicer to serve: its full proto name and the generated ``add_..._to_server`` bound to it."""
+
+    name: str
+    register: Callable[[grpc.aio.Server], None]
+
+    @classmethod
+    def of(cls, pb2: ModuleType, service: str, add_to_server: Callable, servicer: object) -> Service:
+        """``Service.of(attention_server_pb2, "AttentionServer", add_AttentionServerServicer_to_server, s)``."""
+        name = pb2.DESCRIPTOR.services_by_name[service].full_name
+        return cls(name, lambda server: add_to_server(servicer, server))
+
+
+@dataclass
+class RpcServer:
+    """A started server. ``port`` is the bound port (useful with port 0)."""
+
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    async def stop(self, grace: float | None = DEFAULT_GRACE_S) -> None:
+        """Report NOT_SERVING, refuse new calls, give in-flight calls ``grace`` seconds, then cancel them."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    services: Sequence[Service],
+    address: str = "127.0.0.1:0",
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+) -> RpcServer:
+    """Build, bind (``host:port``; port 0 picks a free one) and start a server for ``services``.
+
+    Raises:
+        Unavailable: the address cannot be bound.
+    """
+    if interceptors is None:
+        interceptors = [RequestIdInterceptor(), ErrorMappingInterceptor()]
+    server = grpc.aio.server(interceptors=list(interceptors), options=server_options())
+    for service in services:
+        service.register(server)
+    health = _add_health(server)
+    names = (*(s.name for s in services), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+    port = _bind(server, address)
+    await server.start()
+    for name in ("", *(s.name for s in services)):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s (port %d)", ", ".join(s.name for s in services), address, port)
+    return RpcServer(server, health, port, names)
+
+
+def _add_health(server: grpc.aio.Server) -> health_aio.HealthServicer:
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    return health
+
+
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise Unavailable(f"cannot bind {address}: {e}") from e
+    if port == 0:
+        raise Unavailable(f"cannot bind {address}")
+    return port

@@ -1,0 +1,1 @@
+"""Thin gRPC servicers over ``core/``, one subpackage per service (DESIGN.md §4)."""

@@ -1,0 +1,174 @@
+"""AttentionHolder: one attention server's RManager plus what serving it remotely adds.
+
+The servicer's only neighbour below: it keeps the ledger of open reservations (which sequence, which
+blocks) so imports can land in them, validates remote input (``validation.py``) before anything changes,
+runs a batched AttendStep through ``RManager.plan_step`` / ``attend``, and reads/writes whole rBlocks for
+migration. Pure torch, no gRPC; **not thread-safe**: the servicer calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from infinite_llm.core.block_pool import Reservation
+from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.rmanager import HolderSeqStep, KVLayout, RManager
+from infinite_llm.services.attention.types import HolderStats, SeqAttendParams, SeqPartialResult
+from infinite_llm.services.attention.validation import check_payload, check_step
+
+
+class AttentionHolder:
+    """rBlocks of one server: reservations, AttendStep, export/import, stats.
+
+    Raises (every method): ``InvalidRequest``, ``NotFound``, ``CapacityExhausted`` as documented by
+    ``RManager``; a failed call changes nothing.
+    """
+
+    def __init__(self, rmanager: RManager) -> None:
+        self.rm = rmanager
+        self.layout: KVLayout = rmanager.layout
+        self._reservations: dict[int, tuple[str, tuple[int, ...]]] = {}  # id -> (seq_id, block ids)
+
+    @classmethod
+    def with_capacity(cls, kv_memory_bytes: int, layout: KVLayout, device: str = "cpu") -> AttentionHolder:
+        """A holder with as many rBlocks as fit in ``kv_memory_bytes`` (bytes)."""
+        return cls(RManager(kv_memory_bytes // layout.bytes_per_block, layout, device=device))
+
+    # ---- placement (two-phase) -----------------------------------------------------------------------
+    def reserve(self, seq_id: str, num_blocks: int) -> Reservation:
+        """Phase one: hold ``num_blocks`` (>= 1) free rBlocks for ``seq_id``."""
+        if not seq_id:
+            raise InvalidRequest("seq_id must not be empty")
+        if num_blocks < 1:
+            raise InvalidRequest(f"num_blocks must be >= 1, got {num_blocks}")
+        r = self.rm.reserve(seq_id, num_blocks)
+        self._reservations[r.reservation_id] = (seq_id, r.block_ids)
+        return r
+
+    def commit(self, reservation_id: int) -> tuple[str, list[int]]:
+        """Phase two: returns ``(seq_id, block_ids)`` now owned by the sequence."""
+        seq_id, _ = self._reservation(reservation_id)
+        ids = self.rm.commit(reservation_id)
+        del self._reservations[reservation_id]
+        return seq_id, ids
+
+    def cancel(self, reservation_id: int) -> None:
+        self._reservation(reservation_id)
+        self.rm.cancel(reservation_id)
+        del self._reservations[reservation_id]
+
+    def free_sequence(self, seq_id: str) -> int:
+        """Free the sequence's rBlocks and open reservations; returns the rBlocks freed (0 if unknown)."""
+        freed = self.rm.free_sequence(seq_id)
+        self._reservations = {r: v for r, v in self._reservations.items() if v[0] != seq_id}
+        return freed
+
+    def _reservation(self, reservation_id: int) -> tuple[str, tuple[int, ...]]:
+        try:
+            return self._reservations[reservation_id]
+        except KeyError:
+            raise NotFound(f"no reservation {reservation_id}") from None
+
+    # ---- attention -----------------------------------------------------------------------------------
+    def attend_step(self, layer: int, items: list[SeqAttendParams]) -> list[SeqPartialResult]:
+        """Store each sequence's new K/V in its slots, then its queries' partial attention over its rBlocks.
+
+        ``items[i].key/value`` hold only the rows stored here; results come in ``items`` order, each
+        ``partial_out [num_query_tokens, num_heads, head_dim]`` and ``lse [num_query_tokens, num_heads]`` fp32.
+        """
+        if not items:
+            return []
+        check_step(items, self.layout)
+        steps = [
+            HolderSeqStep(
+                it.seq_id,
+                it.query_positions,
+                it.context_len,
+                it.block_ids,
+                it.block_indices,
+                it.slot_mapping,
+                new_token_rows=[],
+            )
+            for it in items
+        ]
+        plan = self.rm.plan_step(steps)  # validates ownership and positions; changes nothing
+        device = self.rm.k_cache.device
+        num_new = sum(len(it.slot_mapping) for it in items)
+        # The new K/V arrive compact (only rows stored here): index them 0..num_new-1, in slot order.
+        plan = dataclasses.replace(plan, new_token_rows=torch.arange(num_new, device=device))
+        query = _cat([it.query for it in items], device)  # (num_tokens, H, D)
+        key = _cat([it.key for it in items if it.key is not None], device, self._empty_kv())
+        value = _cat([it.value for it in items if it.value is not None], device, self._empty_kv())
+        out, lse = self.rm.attend(layer, plan, query, key, value)
+        counts = [it.query.shape[0] for it in items]
+        return [
+            SeqPartialResult(it.seq_id, o, s)
+            for it, o, s in zip(items, out.split(counts), lse.split(counts), strict=True)
+        ]
+
+    def _empty_kv(self) -> torch.Tensor:
+        return torch.empty(0, self.layout.num_kv_heads, self.layout.head_dim, dtype=self.layout.dtype)
+
+    # ---- migration -----------------------------------------------------------------------------------
+    def export_blocks(self, seq_id: str, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Snapshot of ``block_ids`` (empty: all, in allocation order) of ``seq_id``.
+
+        Returns ``(block_ids, payload)``, payload ``[2 (K, V), num_layers, num_blocks, block_size,
+        num_kv_heads, head_dim]`` on CPU in the layout dtype, contiguous.
+        """
+        owned = self.rm.owned_blocks(seq_id)
+        if not owned:
+            raise NotFound(f"sequence {seq_id!r} holds no rBlocks here")
+        ids = list(block_ids) or owned
+        stray = sorted(set(ids) - set(owned))
+        if stray or len(set(ids)) != len(ids):
+            raise InvalidRequest(f"sequence {seq_id!r} cannot export {ids}: not its own or repeated ({stray})")
+        index = torch.tensor(ids, dtype=torch.int64, device=self.rm.k_cache.device)
+        payload = torch.stack([self.rm.k_cache.index_select(1, index), self.rm.v_cache.index_select(1, index)])
+        return ids, payload.cpu()
+
+    def begin_import(self, seq_id: str, shape: list[int], dtype: torch.dtype, reservation_id: int) -> Reservation:
+        """Check a transfer's header and return the reservation its data will land in.
+
+        ``reservation_id`` 0 reserves the blocks now; otherwise it must be an open reservation of
+        ``seq_id`` with exactly ``shape[2]`` blocks.
+        """
+        n = check_payload(shape, dtype, self.layout)
+        if reservation_id == 0:
+            return self.reserve(seq_id, n)
+        owner, ids = self._reservation(reservation_id)
+        if owner != seq_id or len(ids) != n:
+            raise InvalidRequest(
+                f"reservation {reservation_id} holds {len(ids)} rBlocks of {owner!r}, not {n} of {seq_id!r}"
+            )
+        return Reservation(reservation_id, ids)
+
+    def finish_import(self, reservation: Reservation, payload: torch.Tensor) -> list[int]:
+        """Write ``payload`` (shape as :meth:`export_blocks`) into the reserved rBlocks, then commit them."""
+        index = torch.tensor(reservation.block_ids, dtype=torch.int64, device=self.rm.k_cache.device)
+        self.rm.k_cache.index_copy_(1, index, payload[0].to(self.rm.k_cache.device))
+        self.rm.v_cache.index_copy_(1, index, payload[1].to(self.rm.v_cache.device))
+        return self.commit(reservation.reservation_id)[1]
+
+    # ---- stats ---------------------------------------------------------------------------------------
+    def stats(self) -> HolderStats:
+        pool = self.rm.pool
+        return HolderStats(
+            num_blocks=pool.num_blocks,
+            num_free=pool.num_free,
+            num_used=pool.num_used,
+            num_reserved=pool.num_reserved,
+            num_sequences=sum(1 for s in self.rm.sequences() if self.rm.owned_blocks(s)),
+            bytes_per_block=self.layout.bytes_per_block,
+        )
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device, empty: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate along dim 0 on ``device``; a single part is used as is (no copy)."""
+    if not parts:
+        assert empty is not None
+        return empty.to(device)
+    t = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return t.to(device)

@@ -1,0 +1,149 @@
+"""AttentionServer servicer: decode with the codec, call the holder, encode the reply. Nothing else.
+
+Every holder call (and the decode/encode around it) runs on one dedicated thread, so the RManager is
+never touched concurrently and the event loop stays free for health checks and streaming. Errors are
+typed (``core/errors.py``) and become status codes in ``rpc/interceptors/errors.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from infinite_llm.core.block_pool import Reservation
+from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.pb.v1 import attention_server_pb2 as pb
+from infinite_llm.pb.v1 import attention_server_pb2_grpc as pb_grpc
+from infinite_llm.pb.v1 import tensor_pb2
+from infinite_llm.rpc import codec
+from infinite_llm.services.attention.holder import AttentionHolder
+from infinite_llm.services.attention.types import SeqAttendParams
+
+T = TypeVar("T")
+MAX_CHUNK_BYTES = 16 << 20  # an export chunk larger than this defeats the point of streaming
+
+
+class AttentionServicer(pb_grpc.AttentionServerServicer):
+    """Serves one :class:`AttentionHolder`. Call :meth:`close` after the server stopped."""
+
+    def __init__(self, holder: AttentionHolder, server_id: str) -> None:
+        self.holder = holder
+        self.server_id = server_id
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rmanager-{server_id}")
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    # ---- placement -----------------------------------------------------------------------------------
+    async def ReserveBlocks(self, request: pb.ReserveBlocksRequest, context) -> pb.ReserveBlocksResponse:
+        r = await self._run(self.holder.reserve, request.seq_id, request.num_blocks)
+        return pb.ReserveBlocksResponse(reservation_id=r.reservation_id, block_ids=r.block_ids)
+
+    async def CommitBlocks(self, request: pb.CommitBlocksRequest, context) -> pb.CommitBlocksResponse:
+        seq_id, ids = await self._run(self.holder.commit, request.reservation_id)
+        return pb.CommitBlocksResponse(seq_id=seq_id, block_ids=ids)
+
+    async def CancelReservation(self, request: pb.CancelReservationRequest, context) -> pb.CancelReservationResponse:
+        await self._run(self.holder.cancel, request.reservation_id)
+        return pb.CancelReservationResponse()
+
+    async def FreeSequence(self, request: pb.FreeSequenceRequest, context) -> pb.FreeSequenceResponse:
+        return pb.FreeSequenceResponse(num_freed=await self._run(self.holder.free_sequence, request.seq_id))
+
+    async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
+        s = await self._run(self.holder.stats)
+        layout = self.holder.layout
+        return pb.GetStatsResponse(
+            server_id=self.server_id,
+            layout=tensor_pb2.KVLayout(
+                num_layers=layout.num_layers,
+                block_size=layout.block_size,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                dtype=codec.dtype_name(layout.dtype),
+            ),
+            num_blocks=s.num_blocks,
+            num_free=s.num_free,
+            num_used=s.num_used,
+            num_reserved=s.num_reserved,
+            num_sequences=s.num_sequences,
+            bytes_per_block=s.bytes_per_block,
+            capacity_bytes=s.capacity_bytes,
+            used_bytes=s.used_bytes,
+        )
+
+    # ---- attention -----------------------------------------------------------------------------------
+    async def AttendStep(self, request: pb.AttendStepRequest, context) -> pb.AttendStepResponse:
+        return await self._run(self._attend_step, request)
+
+    def _attend_step(self, request: pb.AttendStepRequest) -> pb.AttendStepResponse:
+        items = [_decode_seq(s) for s in request.seqs]
+        reply = pb.AttendStepResponse()
+        for result in self.holder.attend_step(request.layer, items):
+            part = reply.partials.add(seq_id=result.seq_id)
+            codec.encode_tensor(result.partial_out, part.partial_out)
+            codec.encode_tensor(result.lse, part.lse)
+        return reply
+
+    # ---- migration -----------------------------------------------------------------------------------
+    async def ExportBlocks(self, request: pb.ExportBlocksRequest, context) -> AsyncIterator[pb.BlockTransferChunk]:
+        chunk_bytes = request.chunk_bytes or codec.CHUNK_BYTES
+        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidRequest(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        ids, payload = await self._run(self.holder.export_blocks, request.seq_id, list(request.block_ids))
+        data = await self._run(codec.tensor_to_bytes, payload)
+        meta = codec.tensor_meta(payload.dtype, payload.shape)
+        header = pb.BlockTransferHeader(seq_id=request.seq_id, block_ids=ids, payload=meta)
+        yield pb.BlockTransferChunk(header=header)
+        for chunk in codec.split_chunks(data, chunk_bytes):
+            yield pb.BlockTransferChunk(data=chunk)
+
+    async def ImportBlocks(self, request_iterator, context) -> pb.ImportBlocksResponse:
+        stream = aiter(request_iterator)
+        first = await anext(stream, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidRequest("an ImportBlocks stream must start with a header")
+        header = first.header
+        dtype = codec.dtype_from_name(header.payload.dtype, field="payload")
+        shape = list(header.payload.shape)
+        reservation = await self._run(self.holder.begin_import, header.seq_id, shape, dtype, header.reservation_id)
+        try:
+            # Allocated only now that the shape matched the layout and its rBlocks are reserved.
+            assembler = codec.ChunkAssembler(codec.payload_nbytes(header.payload))
+            async for chunk in stream:
+                if chunk.WhichOneof("part") != "data":
+                    raise InvalidRequest("an ImportBlocks stream carries exactly one header, first")
+                assembler.add(chunk.data)
+            payload = codec.tensor_from_buffer(header.payload.dtype, shape, assembler.finish(), field="payload")
+            ids = await self._run(self.holder.finish_import, reservation, payload)
+        except BaseException:  # incl. a cancelled stream: the blocks never become readable
+            await asyncio.shield(self._run(self._cancel_quietly, reservation))
+            raise
+        return pb.ImportBlocksResponse(seq_id=header.seq_id, block_ids=ids)
+
+    def _cancel_quietly(self, reservation: Reservation) -> None:
+        try:
+            self.holder.cancel(reservation.reservation_id)
+        except NotFound:
+            pass  # already gone with its sequence (FreeSequence)
+
+
+def _decode_seq(s: pb.SeqAttend) -> SeqAttendParams:
+    """One ``SeqAttend`` as plain params; tensors are read-only views of the message bytes."""
+    field = f"sequence {s.seq_id!r}"
+    return SeqAttendParams(
+        seq_id=s.seq_id,
+        query=codec.decode_tensor(s.query, field=f"{field} query"),
+        query_positions=list(s.query_positions),
+        context_len=s.context_len,
+        block_ids=list(s.block_ids),
+        block_indices=list(s.block_indices),
+        slot_mapping=list(s.slot_mapping),
+        key=codec.decode_tensor(s.key, field=f"{field} key") if s.HasField("key") else None,
+        value=codec.decode_tensor(s.value, field=f"{field} value") if s.HasField("value") else None,
+    )

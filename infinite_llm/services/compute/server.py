@@ -1,0 +1,83 @@
+"""``infinite-llm serve compute``: a compute instance process.
+
+Loads the model's dense layers, runs the engine on its own thread with :class:`RemoteKV` as the KV backend
+(attention on the attention servers, placement by the global manager), and serves ``ComputeInstance``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from infinite_llm.engine import EngineConfig, LLMEngine
+from infinite_llm.pb.v1 import compute_instance_pb2, compute_instance_pb2_grpc
+from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.services.compute.engine_loop import EngineLoop
+from infinite_llm.services.compute.remote_kv import RemoteKV
+from infinite_llm.services.compute.servicer import ComputeInstanceServicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """Where to listen, whom to ask for placement, what model to run, and the scheduler's limits."""
+
+    manager_address: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    instance_id: str = "compute-0"
+    model: str | None = None
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    rpc_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.manager_address:
+            raise ValueError("compute instance needs --manager HOST:PORT")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+def build_engine(config: ComputeConfig) -> tuple[LLMEngine, RemoteKV, str]:
+    """Load the model and wire its attention to the cluster; returns (engine, kv backend, model name)."""
+    from infinite_llm.models.registry import load_model_files, resolve_model
+
+    resolved = resolve_model(config.model)
+    model_config, state_dict, tokenizer = load_model_files(resolved, config.dtype)
+    kv = RemoteKV(config.manager_address, config.block_size, timeout_s=config.rpc_timeout_s)
+    engine_config = EngineConfig(
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        dtype=config.dtype,
+    )
+    engine = LLMEngine.from_weights(model_config, state_dict, tokenizer, engine_config, kv=kv)
+    return engine, kv, resolved.name
+
+
+async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then drain gracefully."""
+    engine, kv, model_name = build_engine(config)
+    loop = EngineLoop(engine)
+    loop.start()
+    servicer = ComputeInstanceServicer(loop, config.instance_id, model_name, placement_of=kv.pop_placement)
+    service = Service.of(compute_instance_pb2, "ComputeInstance",
+                         compute_instance_pb2_grpc.add_ComputeInstanceServicer_to_server, servicer)
+    server = await start_server([service], f"{config.host}:{config.port}")
+    log.info("compute instance %s serving %s on %s:%d", config.instance_id, model_name, config.host, server.port)
+    print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)
+    if ready is not None:
+        ready.set()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    loop.stop()

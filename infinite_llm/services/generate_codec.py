@@ -1,0 +1,63 @@
+"""Generation messages <-> core types: the one place that reads ``SamplingParams`` and prompts off the wire.
+
+Used by the compute instance (decode requests), the router (validate before choosing an instance) and the
+SDK (encode). Validation raises :class:`InvalidRequest`, which the servers map to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.sampling import SamplingParams
+from infinite_llm.engine.outputs import RequestOutput
+from infinite_llm.pb.v1 import generate_pb2 as gpb
+
+
+def sampling_from_proto(p: gpb.SamplingParams) -> SamplingParams:
+    """Core ``SamplingParams`` from the message; unset optionals take the core defaults."""
+    kwargs: dict = {"max_tokens": p.max_tokens, "stop": tuple(p.stop), "stop_token_ids": tuple(p.stop_token_ids),
+                    "ignore_eos": p.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if p.HasField(name):
+            kwargs[name] = getattr(p, name)
+    return SamplingParams(**kwargs)
+
+
+def sampling_to_proto(
+    max_tokens: int,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | tuple[str, ...] = (),
+    stop_token_ids: list[int] | tuple[int, ...] = (),
+    ignore_eos: bool = False,
+) -> gpb.SamplingParams:
+    msg = gpb.SamplingParams(max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                             ignore_eos=ignore_eos)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def prompt_from_request(req: gpb.GenerateRequest) -> str | list[int]:
+    """The prompt as text or token ids; raises ``InvalidRequest`` when neither is given."""
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        return req.text
+    if kind == "token_ids":
+        return list(req.token_ids.ids)
+    raise InvalidRequest("request has no prompt: set text or token_ids", param="prompt")
+
+
+def response_from_output(out: RequestOutput, placement: dict[str, int] | None = None) -> gpb.GenerateResponse:
+    """One streamed message: this step's new tokens and text; usage, finish reason and placement at the end."""
+    msg = gpb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
+                               num_preemptions=out.num_preemptions)
+    if out.finished:
+        msg.finish_reason = out.finish_reason or ""
+        msg.usage.prompt_tokens = out.prompt_tokens
+        msg.usage.completion_tokens = out.completion_tokens
+        for server, n in sorted((placement or {}).items()):
+            msg.placement.add(server_id=server, num_blocks=n)
+    return msg

@@ -1,0 +1,59 @@
+"""The manager's hands on the attention servers over gRPC: the production ``BlockServers``.
+
+Each call goes to the server's ``AttentionServer`` service at the address it registered. Status codes map
+back to typed errors (RESOURCE_EXHAUSTED -> ``CapacityExhausted``, UNAVAILABLE -> ``Unavailable``), which
+is what the placement code expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from infinite_llm.client.errors import error_from_rpc
+from infinite_llm.core.block_pool import Reservation
+from infinite_llm.core.errors import Unavailable
+from infinite_llm.pb.v1 import attention_server_pb2 as apb
+from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
+from infinite_llm.rpc.channels import aio_channel
+
+CALL_TIMEOUT_S = 10.0
+
+
+class GrpcBlockServers:
+    """``BlockServers`` over gRPC; ``address_of(server_id)`` gives a live member's ``host:port`` (or None)."""
+
+    def __init__(self, address_of: Callable[[str], str | None]) -> None:
+        self._address_of = address_of
+        self._stubs: dict[str, tuple[str, agrpc.AttentionServerStub]] = {}
+
+    def _stub(self, server_id: str) -> agrpc.AttentionServerStub:
+        address = self._address_of(server_id)
+        if address is None:
+            raise Unavailable(f"attention server {server_id!r} is not a live member")
+        cached = self._stubs.get(server_id)
+        if cached is None or cached[0] != address:
+            cached = (address, agrpc.AttentionServerStub(aio_channel(address, timeout_s=CALL_TIMEOUT_S)))
+            self._stubs[server_id] = cached
+        return cached[1]
+
+    async def reserve(self, server_id: str, seq_id: str, n: int) -> Reservation:
+        reply = await self._call(server_id, "ReserveBlocks", apb.ReserveBlocksRequest(seq_id=seq_id, num_blocks=n))
+        return Reservation(reply.reservation_id, tuple(reply.block_ids))
+
+    async def commit(self, server_id: str, reservation_id: int) -> list[int]:
+        reply = await self._call(server_id, "CommitBlocks", apb.CommitBlocksRequest(reservation_id=reservation_id))
+        return list(reply.block_ids)
+
+    async def cancel(self, server_id: str, reservation_id: int) -> None:
+        await self._call(server_id, "CancelReservation", apb.CancelReservationRequest(reservation_id=reservation_id))
+
+    async def free(self, server_id: str, seq_id: str) -> int:
+        return (await self._call(server_id, "FreeSequence", apb.FreeSequenceRequest(seq_id=seq_id))).num_freed
+
+    async def _call(self, server_id: str, method: str, request):  # noqa: ANN001, ANN202
+        try:
+            return await getattr(self._stub(server_id), method)(request, timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None

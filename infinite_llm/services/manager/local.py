@@ -1,0 +1,39 @@
+"""In-process :class:`BlockServers` over :class:`RManager` objects (single-process meshes and tests).
+
+The gRPC attention-server client implements the same four calls remotely; this one runs them on rManagers
+in this process, so the bookkeeping the manager relies on is the real one.
+"""
+
+from __future__ import annotations
+
+from infinite_llm.core.block_pool import Reservation
+from infinite_llm.core.errors import Unavailable
+from infinite_llm.core.rmanager import RManager
+
+
+class LocalServers:
+    """``server_id -> RManager``; an unknown server id raises ``Unavailable`` (as an unreachable one)."""
+
+    def __init__(self, rmanagers: dict[str, RManager]) -> None:
+        self.rmanagers = rmanagers
+
+    def _get(self, server_id: str) -> RManager:
+        rm = self.rmanagers.get(server_id)
+        if rm is None:
+            raise Unavailable(f"attention server {server_id!r} is not reachable")
+        return rm
+
+    async def reserve(self, server_id: str, seq_id: str, n: int) -> Reservation:
+        """Hold ``n`` rBlocks for ``seq_id``. Raises CapacityExhausted (nothing changes) if too few are free."""
+        return self._get(server_id).reserve(seq_id, n)
+
+    async def commit(self, server_id: str, reservation_id: int) -> list[int]:
+        """The reserved rBlocks now belong to their sequence; returns their block ids."""
+        return self._get(server_id).commit(reservation_id)
+
+    async def cancel(self, server_id: str, reservation_id: int) -> None:
+        self._get(server_id).cancel(reservation_id)
+
+    async def free(self, server_id: str, seq_id: str) -> int:
+        """Free every rBlock and reservation of ``seq_id`` on the server; returns rBlocks freed."""
+        return self._get(server_id).free_sequence(seq_id)

@@ -1,0 +1,239 @@
+"""The global manager (PAPER.md "Managers", gManager): membership, capacity view, placement ledger.
+
+It composes :mod:`membership` (leased ``members/`` keys and a watch), :mod:`capacity` (the in-memory view
+fed by heartbeats), :mod:`placement` (near first, then most free; reserve before use) and :mod:`ledger`
+(``ledger/<seq_id>`` written by compare-and-swap), all fenced by :mod:`leadership`. etcd is the source of
+truth: a new instance rebuilds everything from it (DESIGN.md §5-§6). The gRPC servicer is a thin layer
+over :class:`GlobalManager`; the attention servers are reached through an injected :class:`BlockServers`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from infinite_llm.core.errors import InvalidRequest, NotFound, Unavailable
+from infinite_llm.services.manager.capacity import CapacityView
+from infinite_llm.services.manager.leadership import Leadership
+from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
+from infinite_llm.services.manager.membership import Membership, Registration
+from infinite_llm.services.manager.placement import BlockServers, Held, cancel_held, reserve_placement
+from infinite_llm.services.manager.records import (
+    ClusterState,
+    Grant,
+    LedgerEntries,
+    Member,
+    MemberInfo,
+    MemberState,
+    blocks_per_server,
+    check_id,
+    merge_ledger,
+)
+from infinite_llm.state.etcd_store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """Global manager settings. TTLs in seconds (etcd's minimum lease TTL is ~2 s)."""
+
+    manager_id: str
+    member_ttl_s: int = 10
+    leader_ttl_s: int = 10
+    max_txn_attempts: int = 16
+
+    def __post_init__(self) -> None:
+        check_id("manager_id", self.manager_id)
+        for name in ("member_ttl_s", "leader_ttl_s"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be >= 2 s (etcd's minimum lease), got {getattr(self, name)}")
+        if self.max_txn_attempts < 1:
+            raise ValueError(f"max_txn_attempts must be >= 1, got {self.max_txn_attempts}")
+
+
+class GlobalManager:
+    """Membership, capacity view and placement ledger of the cluster, kept in etcd.
+
+    Every write raises ``NotLeader`` (an ``Unavailable``) unless this manager leads; etcd failures raise
+    ``Unavailable``.
+    """
+
+    def __init__(self, store: EtcdStore, servers: BlockServers, config: ManagerConfig) -> None:
+        self.config = config
+        self._servers = servers
+        self.view = CapacityView()
+        self.leadership = Leadership(store, config.manager_id, config.leader_ttl_s)
+        self.ledger = Ledger(store, self.leadership, config.max_txn_attempts)
+        self._placed: dict[str, int] = {}  # rBlocks the ledger places per server
+        self.membership = Membership(store, self.leadership, self.view, lambda s: self._placed.get(s, 0))
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self, acquire_timeout_s: float | None = None) -> None:
+        """Rebuild members, ledger totals and the view from etcd, watch members, and campaign.
+
+        Args:
+            acquire_timeout_s: wait up to this many seconds to lead (raise ``NotLeader`` after);
+                ``None``: campaign once and start as a follower if another manager leads.
+        """
+        await self._load_placed()
+        await self.membership.start()
+        if acquire_timeout_s is None:
+            await self.leadership.campaign()
+        else:
+            await self.acquire_leadership(acquire_timeout_s)
+
+    async def acquire_leadership(self, timeout_s: float) -> None:
+        """Become leader within ``timeout_s`` seconds, then reload what the previous leader placed."""
+        await self.leadership.acquire(timeout_s)
+        await self._load_placed()
+        for member in self.membership.members():
+            self.view.add(
+                member.info.server_id, member.info.capacity_blocks, self._placed.get(member.info.server_id, 0)
+            )
+
+    async def stop(self, resign: bool = True) -> None:
+        """Stop watching; ``resign`` gives up leadership at once (else it lapses after ``leader_ttl_s``)."""
+        await self.membership.stop()
+        await self.leadership.close(resign)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leadership.is_leader
+
+    async def _load_placed(self) -> None:
+        self._placed = blocks_per_server(await self.ledger.read_all())
+
+    # ---- membership ------------------------------------------------------------------------------
+    async def register(
+        self,
+        server_id: str,
+        address: str,
+        capacity_blocks: int,
+        block_size: int,
+        kind: str = "attention",
+        ttl_s: int | None = None,
+    ) -> Registration:
+        """Register a server under a lease of ``ttl_s`` seconds (default ``member_ttl_s``).
+
+        Raises:
+            InvalidRequest: a bad id, capacity (rBlocks) or block size (tokens).
+            NotLeader: this manager does not lead.
+        """
+        info = MemberInfo(server_id, address, capacity_blocks, block_size, kind)
+        return await self.membership.register(info, ttl_s or self.config.member_ttl_s)
+
+    async def heartbeat(self, server_id: str, free_blocks: int, load: float = 0.0) -> int:
+        """Keep the member alive and record its free rBlocks and load; returns the lease TTL in seconds.
+
+        Raises:
+            NotFound: the member is unknown or expired (it must register again).
+        """
+        ttl = await self.membership.keep_alive(server_id)
+        self.view.heartbeat(server_id, free_blocks, load)
+        return ttl
+
+    async def deregister(self, server_id: str) -> None:
+        """Remove a member now (revokes its lease). Raises NotFound if it is not a live member."""
+        await self.membership.deregister(server_id)
+
+    def members(self) -> list[Member]:
+        """Live members by server id (the watch keeps this current)."""
+        return self.membership.members()
+
+    # ---- placement -------------------------------------------------------------------------------
+    async def place(self, seq_id: str, n_blocks: int, near: str | None = None) -> list[Grant]:
+        """Place ``n_blocks`` more rBlocks of ``seq_id``: near server first, then most free.
+
+        Reserves on the servers, records the ledger in one fenced compare-and-swap (re-read and retried on
+        conflict), then commits the reservations.
+
+        Returns:
+            One :class:`Grant` per server used, in placement order (near server first).
+
+        Raises:
+            InvalidRequest: bad ``seq_id`` or ``n_blocks <= 0``.
+            CapacityExhausted: the cluster cannot hold them; no reservation or ledger change remains.
+            NotLeader: this manager does not lead (nothing remains reserved).
+            Unavailable: etcd failed (reservations cancelled), or a server died between reserve and commit
+                (the ledger keeps the placement: ``release`` the sequence).
+        """
+        check_id("seq_id", seq_id)
+        if n_blocks <= 0:
+            raise InvalidRequest(f"n_blocks must be > 0, got {n_blocks}", param="n_blocks")
+        self.leadership.fence()  # fail before reserving anything
+        record = await self.ledger.read(seq_id)
+        held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near)
+        try:
+            await self._record(record, [(h.server_id, h.n_blocks) for h in held])
+        except BaseException:
+            await cancel_held(self._servers, self.view, held)
+            raise
+        for h in held:
+            self._placed[h.server_id] = self._placed.get(h.server_id, 0) + h.n_blocks
+        return await self._commit(held)
+
+    async def _record(self, record: LedgerRecord, added: LedgerEntries) -> None:
+        for _ in range(self.config.max_txn_attempts):
+            conflict = await self.ledger.swap(record, merge_ledger(record.entries, added))
+            if conflict is None:
+                return
+            log.info("ledger of %s changed concurrently; retrying", record.seq_id)
+            record = conflict
+        raise self.ledger.too_contended(record.seq_id)
+
+    async def _commit(self, held: list[Held]) -> list[Grant]:
+        grants = []
+        for h in held:
+            block_ids = await self._servers.commit(h.server_id, h.reservation.reservation_id)
+            grants.append(Grant(h.server_id, h.n_blocks, tuple(block_ids)))
+        return grants
+
+    async def release(self, seq_id: str) -> int:
+        """Free every rBlock of ``seq_id`` on its servers and delete its ledger key; returns rBlocks freed.
+
+        Servers are freed before the ledger key goes, so a crash in between leaves a ledger entry to retry,
+        never a leaked block. An unreachable server is skipped (its blocks died with it).
+
+        Raises:
+            NotFound: the ledger has no placement for ``seq_id``.
+            NotLeader: this manager does not lead.
+        """
+        check_id("seq_id", seq_id)
+        self.leadership.fence()
+        record, freed = await self.ledger.read(seq_id), 0
+        for _ in range(self.config.max_txn_attempts):
+            if record.mod_revision == 0:
+                raise NotFound(f"no placement for sequence {seq_id!r}")
+            freed += await self._free_on_servers(seq_id, record.entries)
+            conflict = await self.ledger.swap(record, None)
+            if conflict is None:
+                self._forget_placed(record.entries)
+                return freed
+            record = conflict
+        raise self.ledger.too_contended(seq_id)
+
+    async def _free_on_servers(self, seq_id: str, entries: LedgerEntries) -> int:
+        freed = 0
+        for server_id, _ in entries:
+            try:
+                freed += await self._servers.free(server_id, seq_id)
+            except (Unavailable, NotFound) as e:
+                log.warning("free %s on %s failed, skipped: %s", seq_id, server_id, e)
+        return freed
+
+    def _forget_placed(self, entries: LedgerEntries) -> None:
+        for server_id, n in entries:
+            self._placed[server_id] = max(self._placed.get(server_id, 0) - n, 0)
+            self.view.give_back(server_id, n)
+
+    # ---- state -----------------------------------------------------------------------------------
+    async def cluster_state(self) -> ClusterState:
+        """Leader, live members with their (estimated) free rBlocks and load, and the ledger from etcd."""
+        ledger = await self.ledger.read_all()
+        members = []
+        for m in self.members():
+            cap = self.view.get(m.info.server_id)
+            if cap is not None:
+                members.append(MemberState(m.info, cap.free_blocks, cap.load, cap.stale))
+        return ClusterState(await self.leadership.leader_id(), members, ledger)

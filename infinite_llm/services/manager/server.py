@@ -1,0 +1,58 @@
+"""``infinite-llm serve manager``: the global manager process (state in etcd, GlobalManager service)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
+from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
+from infinite_llm.services.manager.manager import GlobalManager, ManagerConfig
+from infinite_llm.services.manager.servicer import GlobalManagerServicer
+from infinite_llm.state.etcd_store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManagerServerConfig:
+    """``etcd`` is ``host:port`` of an etcd client endpoint; TTLs in seconds."""
+
+    etcd: str
+    host: str = "127.0.0.1"
+    port: int = 50050
+    manager_id: str = "manager-0"
+    prefix: str = "/infinite-llm/"
+    member_ttl_s: int = 10
+    leader_ttl_s: int = 10
+    acquire_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        host, _, port = self.etcd.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--etcd must be HOST:PORT, got {self.etcd!r}")
+
+
+async def serve(config: ManagerServerConfig) -> None:
+    host, _, port = config.etcd.rpartition(":")
+    store = EtcdStore(host, int(port), prefix=config.prefix)
+    await store.connect()
+    holder: list[GlobalManagerServicer] = []
+    servers = GrpcBlockServers(lambda sid: holder[0].address_of(sid))
+    manager = GlobalManager(store, servers, ManagerConfig(config.manager_id, config.member_ttl_s, config.leader_ttl_s))
+    await manager.start(acquire_timeout_s=config.acquire_timeout_s)
+    servicer = GlobalManagerServicer(manager)
+    holder.append(servicer)
+    service = Service.of(manager_pb2, "GlobalManager", manager_pb2_grpc.add_GlobalManagerServicer_to_server, servicer)
+    server = await start_server([service], f"{config.host}:{config.port}")
+    log.info("global manager %s leading, listening on %s:%d", config.manager_id, config.host, server.port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    await manager.stop()
+    await store.close()

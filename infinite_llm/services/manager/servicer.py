@@ -1,0 +1,51 @@
+"""GlobalManager servicer: thin async handlers over :class:`GlobalManager` (typed errors map to statuses)."""
+
+from __future__ import annotations
+
+import grpc
+
+from infinite_llm.pb.v1 import manager_pb2 as mpb
+from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+from infinite_llm.services.manager.manager import GlobalManager
+
+
+class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
+    def __init__(self, manager: GlobalManager) -> None:
+        self.manager = manager
+
+    def address_of(self, server_id: str) -> str | None:
+        for m in self.manager.members():
+            if m.info.server_id == server_id:
+                return m.info.address
+        return None
+
+    async def Register(self, request: mpb.RegisterRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        reg = await self.manager.register(request.server_id, request.address, request.capacity_blocks,
+                                          request.block_size, request.kind or "attention")
+        return mpb.RegisterResponse(lease_ttl_s=reg.ttl_s)
+
+    async def Heartbeat(self, request: mpb.HeartbeatRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        await self.manager.heartbeat(request.server_id, request.free_blocks, float(request.num_sequences))
+        return mpb.HeartbeatResponse()
+
+    async def Place(self, request: mpb.PlaceRequest, context: grpc.aio.ServicerContext) -> mpb.PlaceResponse:  # noqa: N802
+        grants = await self.manager.place(request.seq_id, request.num_blocks, request.near_server_id or None)
+        return mpb.PlaceResponse(grants=[
+            mpb.BlockGrant(server_id=g.server_id, address=self.address_of(g.server_id) or "", block_ids=g.block_ids)
+            for g in grants
+        ])
+
+    async def Release(self, request: mpb.ReleaseRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return mpb.ReleaseResponse(num_freed=await self.manager.release(request.seq_id))
+
+    async def GetClusterState(self, request, context) -> mpb.ClusterStateResponse:  # noqa: N802, ANN001
+        state = await self.manager.cluster_state()
+        reply = mpb.ClusterStateResponse()
+        for m in state.members:
+            reply.servers.add(server_id=m.info.server_id, address=m.info.address,
+                              capacity_blocks=m.info.capacity_blocks, free_blocks=m.free_blocks,
+                              used_blocks=m.info.capacity_blocks - m.free_blocks, num_sequences=int(m.load),
+                              block_size=m.info.block_size)
+        for seq_id, entries in sorted(state.ledger.items()):
+            reply.ledger.add(seq_id=seq_id, shares=[mpb.KVShare(server_id=s, num_blocks=n) for s, n in entries])
+        return reply

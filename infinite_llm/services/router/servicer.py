@@ -1,0 +1,127 @@
+"""Router servicer: the public gRPC API. Validates, picks the least-loaded compute instance, relays tokens.
+
+Deadlines travel downstream (the compute call gets what is left of the caller's); a caller that goes away
+cancels the compute call, which aborts the request and frees its rBlocks. A compute instance that is
+unreachable before any token was sent is skipped for the next one; after that the stream fails with
+UNAVAILABLE (nothing hangs).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from infinite_llm.client.errors import error_from_rpc
+from infinite_llm.core.errors import InvalidRequest, NotFound, Unavailable
+from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
+from infinite_llm.pb.v1 import generate_pb2 as gpb
+from infinite_llm.pb.v1 import router_pb2 as rpb
+from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
+from infinite_llm.rpc.channels import aio_channel
+from infinite_llm.services.generate_codec import prompt_from_request, sampling_from_proto
+
+DEFAULT_TIMEOUT_S = 600.0  # a generation without a client deadline gets this long (seconds)
+
+
+class _Instance:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.stub = cgrpc.ComputeInstanceStub(aio_channel(address, timeout_s=DEFAULT_TIMEOUT_S))
+        self.in_flight = 0
+
+
+class RouterServicer(rgrpc.RouterServicer):
+    def __init__(self, compute_addresses: list[str], model_name: str, max_model_len: int, tokenizer) -> None:  # noqa: ANN001
+        if not compute_addresses:
+            raise ValueError("router needs at least one compute instance address")
+        self.instances = [_Instance(a) for a in compute_addresses]
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self._owner: dict[str, _Instance] = {}
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def _validate(self, request: gpb.GenerateRequest) -> gpb.GenerateRequest:
+        if request.model and request.model != self.model_name:
+            raise NotFound(f"model {request.model!r} is not served here; try {self.model_name!r}", param="model")
+        sampling_from_proto(request.sampling)  # raises InvalidRequest naming the bad parameter
+        prompt = prompt_from_request(request)
+        if not prompt:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        out = gpb.GenerateRequest()
+        out.CopyFrom(request)
+        out.request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
+        return out
+
+    def _pick(self, tried: set[str]) -> _Instance:
+        candidates = [i for i in self.instances if i.address not in tried]
+        if not candidates:
+            raise Unavailable("no compute instance is reachable")
+        return min(candidates, key=lambda i: i.in_flight)
+
+    async def _relay(
+        self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gpb.GenerateResponse]:
+        request = self._validate(request)
+        remaining = context.time_remaining()
+        timeout = DEFAULT_TIMEOUT_S if remaining is None else max(remaining, 0.001)
+        tried: set[str] = set()
+        while True:
+            inst = self._pick(tried)
+            tried.add(inst.address)
+            call = inst.stub.Generate(request, timeout=timeout)
+            inst.in_flight += 1
+            self._owner[request.request_id] = inst
+            sent = False
+            try:
+                async for msg in call:
+                    sent = True
+                    yield msg
+                return
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not sent:
+                    continue  # that instance is gone: try the next one
+                raise error_from_rpc(e) from None
+            finally:
+                call.cancel()  # no-op when finished; frees the request downstream when the caller left
+                inst.in_flight -= 1
+                self._owner.pop(request.request_id, None)
+
+    async def GenerateStream(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        async for msg in self._relay(request, context):
+            yield msg
+
+    async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext) -> gpb.GenerateResponse:  # noqa: N802
+        total = gpb.GenerateResponse()
+        async for msg in self._relay(request, context):
+            total.request_id = msg.request_id
+            total.token_ids.extend(msg.token_ids)
+            total.text += msg.text
+            if msg.finish_reason:
+                total.finish_reason = msg.finish_reason
+                total.usage.CopyFrom(msg.usage)
+                total.placement.extend(msg.placement)
+                total.num_preemptions = msg.num_preemptions
+        return total
+
+    async def Abort(self, request: gpb.AbortRequest, context: grpc.aio.ServicerContext) -> gpb.AbortResponse:  # noqa: N802
+        inst = self._owner.get(request.request_id)
+        if inst is None:
+            return gpb.AbortResponse(aborted=False)
+        try:
+            return await inst.stub.Abort(request, timeout=10)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    # ---- metadata -----------------------------------------------------------------------------------
+    async def ListModels(self, request: rpb.ListModelsRequest, context) -> rpb.ListModelsResponse:  # noqa: N802, ANN001
+        card = rpb.ModelCard(id=self.model_name, max_model_len=self.max_model_len, owned_by="infinite-llm")
+        return rpb.ListModelsResponse(models=[card])
+
+    async def Tokenize(self, request: rpb.TokenizeRequest, context) -> rpb.TokenizeResponse:  # noqa: N802, ANN001
+        if request.model and request.model != self.model_name:
+            raise NotFound(f"model {request.model!r} is not served here", param="model")
+        ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return rpb.TokenizeResponse(token_ids=ids)

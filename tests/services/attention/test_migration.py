@@ -1,0 +1,203 @@
+"""Migration between attention servers: ExportBlocks streams a sequence's rBlocks, ImportBlocks publishes them
+only after the whole stream arrived, and attention on the new holder equals attention on the old one."""
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from infinite_llm.core.dist_attention import SeqStepInput
+from infinite_llm.core.rmanager import KVLayout
+from infinite_llm.pb.v1 import attention_server_pb2 as pb
+from infinite_llm.rpc import codec
+from tests.services.attention.helpers import TIMEOUT, Pair, Steps
+
+LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)  # 1536 B per rBlock
+NUM_HEADS = 4
+
+
+def _stats(stub) -> tuple[int, int, int]:
+    s = stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT)
+    return s.num_free, s.num_used, s.num_reserved
+
+
+@pytest.fixture
+def source(make_server):
+    """Server A with sequence "s" on 3 rBlocks, prefilled with 10 tokens on every layer."""
+    _, stub = make_server(8, LAYOUT, "A")
+    steps = Steps({"A": Pair(stub, 8, LAYOUT)}, LAYOUT, NUM_HEADS)
+    steps.place("s", ["A"] * 3)
+    for layer in range(LAYOUT.num_layers):
+        steps.step([SeqStepInput("s", 0, 10)], layer)
+    return stub, steps
+
+
+def _export(stub, chunk_bytes=1000) -> list[pb.BlockTransferChunk]:
+    request = pb.ExportBlocksRequest(seq_id="s", chunk_bytes=chunk_bytes)
+    return list(stub.ExportBlocks(request, timeout=TIMEOUT))
+
+
+def _decode_on(steps: Steps, server: str, table: list[tuple[str, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One decode step (position 10) of "s" with ``table``, every layer, same q/k/v for a given seed."""
+    steps.tables["s"], steps.gen = table, torch.Generator().manual_seed(7)
+    return [steps.step([SeqStepInput("s", 10, 1)], layer, check_dense=False)[server][0] for layer in range(3)]
+
+
+def test_export_then_import_gives_identical_partials_on_the_new_server(source, make_server):
+    stub_a, steps = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="x", num_blocks=2), timeout=TIMEOUT)  # ids 0, 1 taken
+    r = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=3), timeout=TIMEOUT)
+    chunks = _export(stub_a)
+    header = chunks[0].header
+    assert list(header.block_ids) == [0, 1, 2] and list(header.payload.shape) == [2, 3, 3, 4, 2, 8]
+    assert [len(c.data) for c in chunks[1:]] == [1000] * 4 + [3 * 1536 - 4000]
+    header.reservation_id = r.reservation_id
+    seen_mid_stream = []
+
+    def stream():
+        yield chunks[0]
+        yield from chunks[1:3]
+        # Half the data has arrived: nothing is readable yet.
+        seen_mid_stream.append(_stats(stub_c))
+        with pytest.raises(grpc.RpcError) as info:
+            stub_c.ExportBlocks(pb.ExportBlocksRequest(seq_id="s"), timeout=TIMEOUT).next()
+        seen_mid_stream.append(info.value.code())
+        yield from chunks[3:]
+
+    reply = stub_c.ImportBlocks(stream(), timeout=TIMEOUT)
+    assert reply.seq_id == "s" and list(reply.block_ids) == list(r.block_ids) == [2, 3, 4]
+    assert seen_mid_stream == [(3, 0, 5), grpc.StatusCode.NOT_FOUND]
+    assert _stats(stub_c) == (3, 3, 2)
+    steps.pairs["C"] = Pair(stub_c, 8, LAYOUT, mirrored=False)  # compare server A with server C
+    on_a = _decode_on(steps, "A", [("A", b) for b in header.block_ids])
+    on_c = _decode_on(steps, "C", [("C", b) for b in reply.block_ids])
+    for (out_a, lse_a), (out_c, lse_c) in zip(on_a, on_c, strict=True):
+        assert torch.equal(out_a, out_c) and torch.equal(lse_a, lse_c)
+
+
+def test_import_without_a_reservation_reserves_on_the_header(source, make_server):
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    chunks = _export(stub_a, chunk_bytes=0)  # default 1 MiB: all data in one chunk
+    assert len(chunks) == 2
+    reply = stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
+    assert list(reply.block_ids) == [0, 1, 2] and _stats(stub_c) == (5, 3, 0)
+    again = _export(stub_c)
+    assert b"".join(c.data for c in again[1:]) == b"".join(c.data for c in chunks[1:])
+
+
+def _truncated(chunks):
+    return chunks[:-1]
+
+
+def _no_header(chunks):
+    return chunks[1:]
+
+
+def _two_headers(chunks):
+    return chunks[:2] + chunks[:1] + chunks[2:]
+
+
+def _wrong_layout(chunks):
+    chunks[0].header.payload.shape[3] = 8
+    return chunks
+
+
+def _overflow(chunks):
+    return [*chunks, pb.BlockTransferChunk(data=b"x")]
+
+
+BAD_IMPORTS = {
+    "truncated": (_truncated, "payload ended after 4000 of 4608 bytes"),
+    "no_header": (_no_header, "must start with a header"),
+    "two_headers": (_two_headers, "exactly one header"),
+    "wrong_layout": (_wrong_layout, "does not match this server's layout"),
+    "overflow": (_overflow, "overflows its declared size"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_IMPORTS))
+def test_a_failed_import_publishes_nothing_and_cancels_its_reservation(source, make_server, case):
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    mutate, details = BAD_IMPORTS[case]
+    r = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=3), timeout=TIMEOUT)
+    chunks = _export(stub_a)
+    chunks[0].header.reservation_id = r.reservation_id
+    with pytest.raises(grpc.RpcError) as info:
+        stub_c.ImportBlocks(iter(mutate(chunks)), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and details in info.value.details()
+    expected = (5, 0, 3) if case in ("no_header", "wrong_layout") else (8, 0, 0)  # failed before/after the header
+    assert _stats(stub_c) == expected
+    assert stub_c.FreeSequence(pb.FreeSequenceRequest(seq_id="s"), timeout=TIMEOUT).num_freed == 0
+    assert _stats(stub_c) == (8, 0, 0)
+
+
+def test_import_into_another_sequences_reservation_is_refused(source, make_server):
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    r = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="other", num_blocks=3), timeout=TIMEOUT)
+    chunks = _export(stub_a)
+    chunks[0].header.reservation_id = r.reservation_id
+    with pytest.raises(grpc.RpcError) as info:
+        stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "holds 3 rBlocks of 'other', not 3 of 's'" in info.value.details()
+    assert _stats(stub_c) == (5, 0, 3)  # the other sequence's reservation is untouched
+
+
+def test_export_of_unknown_or_foreign_blocks_is_refused(source):
+    stub_a, _ = source
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub_a.ExportBlocks(pb.ExportBlocksRequest(seq_id="nope"), timeout=TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub_a.ExportBlocks(pb.ExportBlocksRequest(seq_id="s", block_ids=[1, 5]), timeout=TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    subset = list(stub_a.ExportBlocks(pb.ExportBlocksRequest(seq_id="s", block_ids=[2, 0]), timeout=TIMEOUT))
+    assert list(subset[0].header.block_ids) == [2, 0]
+    payload = codec.tensor_from_buffer(
+        subset[0].header.payload.dtype, subset[0].header.payload.shape, b"".join(c.data for c in subset[1:])
+    )
+    full = list(stub_a.ExportBlocks(pb.ExportBlocksRequest(seq_id="s"), timeout=TIMEOUT))
+    everything = codec.tensor_from_buffer("float32", full[0].header.payload.shape, b"".join(c.data for c in full[1:]))
+    assert torch.equal(payload, everything[:, :, [2, 0]])
+
+
+def test_a_cancelled_import_stream_cancels_its_reservation(source, make_server):
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    chunks = _export(stub_a)
+    stalled = threading.Event()
+
+    def stream():
+        yield from chunks[:2]
+        stalled.wait(TIMEOUT)  # the rest never comes: the caller gives up
+
+    call = stub_c.ImportBlocks.future(stream(), timeout=TIMEOUT)
+    _poll(lambda: _stats(stub_c) == (5, 0, 3))  # the header arrived: blocks reserved, none published
+    call.cancel()
+    _poll(lambda: _stats(stub_c) == (8, 0, 0))
+    stalled.set()
+    assert call.cancelled()
+
+
+def _poll(condition, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
+
+
+def test_a_header_asking_for_more_blocks_than_exist_is_refused_before_any_data(source, make_server):
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    chunks = _export(stub_a)
+    chunks[0].header.payload.shape[2] = 10**12  # would be ~1.5 PB: refused by the reservation, never allocated
+    with pytest.raises(grpc.RpcError) as info:
+        stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _stats(stub_c) == (8, 0, 0)
