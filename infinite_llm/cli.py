@@ -17,7 +17,10 @@ from rich.console import Console
 
 from infinite_llm.core.errors import InfiniteLLMError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Infinite-LLM: long-context LLM serving.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Infinite-LLM: long-context LLM serving.",
+)
 err = Console(stderr=True)
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -54,14 +57,20 @@ def generate(
     block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = 16,
     kv_blocks: Annotated[int, typer.Option(help="rBlocks of KV memory in all.")] = 2048,
     num_partitions: Annotated[int, typer.Option(help="DistAttention partitions (1 = plain paged attention).")] = 1,
+    router: Annotated[str | None, typer.Option(help="Send the request through the mesh's router at HOST:PORT.")] = None,
 ) -> None:
-    """Generate text with the single-process engine and stream it to stdout."""
+    """Generate text (single-process engine, or the mesh with --router) and stream it to stdout."""
     import torch
 
     from infinite_llm.core.sampling import SamplingParams
     from infinite_llm.engine import EngineConfig, LLMEngine
 
     text = _read_prompt(prompt, prompt_file)
+    if router is not None:
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()))
+        SamplingParams(max_tokens=max_tokens, **sampling)  # same validation and messages as locally
+        _generate_via_router(router, text, chat, model, max_tokens, sampling)
+        return
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"unknown dtype {dtype!r}; use float32 or bfloat16", param_hint="--dtype")
     params = SamplingParams(
@@ -92,6 +101,33 @@ def generate(
     logging.getLogger("infinite_llm").info("%d tokens in %.2f s (%.1f tokens/s)", n, elapsed, n / max(elapsed, 1e-9))
 
 
+def _generate_via_router(router: str, text: str, chat: bool, model: str | None, max_tokens: int, sampling: dict) -> None:
+    """Stream through the router; a chat prompt is templated and tokenized here, as the local path does."""
+    from infinite_llm.client import Client
+
+    prompt: str | list[int] = text
+    if chat:
+        from infinite_llm.models.registry import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(model))
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompt = tokenizer.encode(templated, add_special_tokens=False)
+    start, last = time.perf_counter(), None
+    with Client(router) as client:
+        for chunk in client.stream(prompt, max_tokens=max_tokens, **sampling):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk
+    sys.stdout.write("\n")
+    if last is not None:
+        elapsed = time.perf_counter() - start
+        n = last.completion_tokens
+        spread = ", ".join(f"{s}: {b}" for s, b in sorted(last.placement.items()))
+        logging.getLogger("infinite_llm").info(
+            "%d tokens in %.2f s (%.1f tokens/s); prompt %d tokens; rBlocks per server: %s",
+            n, elapsed, n / max(elapsed, 1e-9), last.prompt_tokens, spread or "none")
+
+
 def _encode(engine, text: str, chat: bool) -> list[int]:  # noqa: ANN001
     """Chat text already carries its special tokens; plain text gets the tokenizer's defaults."""
     return engine.tokenizer.encode(text, add_special_tokens=not chat)
@@ -104,6 +140,11 @@ def fetch_model() -> None:
 
     path = fetch_default_model()
     err.print(f"default model ready: {path}")
+
+
+from infinite_llm.cli_mesh import register as _register_mesh_commands  # noqa: E402
+
+_register_mesh_commands(app)
 
 
 def main() -> None:

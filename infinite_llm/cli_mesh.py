@@ -1,0 +1,181 @@
+"""Mesh commands of ``infinite-llm``: ``serve <role>``, ``up`` (the local mesh) and ``status``.
+
+Each ``serve`` command builds its frozen config from flags (validated, clear messages) and runs the
+service until SIGTERM/SIGINT. Logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+err = Console(stderr=True)
+serve_app = typer.Typer(no_args_is_help=True, help="Run one service of the mesh.")
+
+Host = Annotated[str, typer.Option(help="Interface to listen on.")]
+Model = Annotated[str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")]
+BlockSize = Annotated[int, typer.Option(help="Tokens per rBlock (must match across the mesh).")]
+
+
+def _size(text: str) -> int:
+    from infinite_llm.rpc.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-memory") from None
+
+
+def _dtype(name: str):  # noqa: ANN202
+    import torch
+
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in names:
+        raise typer.BadParameter(f"unknown dtype {name!r}; use float32 or bfloat16", param_hint="--dtype")
+    return names[name]
+
+
+@serve_app.command("attention")
+def serve_attention(
+    kv_memory: Annotated[str, typer.Option(help="KV memory of this server, e.g. 64MiB or 2GiB.")] = "256MiB",
+    server_id: Annotated[str, typer.Option(help="Stable identity (registration key).")] = "attn-0",
+    host: Host = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gRPC port (0 = any free one).")] = 50060,
+    manager: Annotated[str, typer.Option(help="Global manager HOST:PORT to register with ('' = none).")] = "",
+    advertise_host: Annotated[str, typer.Option(help="Host others reach this server at (default --host).")] = "",
+    model: Model = None,
+    block_size: BlockSize = 16,
+    dtype: Annotated[str, typer.Option(help="KV dtype: float32 or bfloat16.")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Attention server: holds rBlocks in --kv-memory and computes partial attention over them."""
+    from infinite_llm.models.registry import load_model_config, resolve_model
+    from infinite_llm.services.attention.server import AttentionServerConfig, main
+
+    _dtype(dtype)
+    config = AttentionServerConfig.for_model(
+        load_model_config(resolve_model(model)), server_id=server_id, kv_memory_bytes=_size(kv_memory),
+        dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype), block_size=block_size, host=host,
+        port=port, device=device, manager_address=manager, advertise_host=advertise_host,
+    )
+    sys.exit(main(config))
+
+
+@serve_app.command("manager")
+def serve_manager(
+    etcd: Annotated[str, typer.Option(help="etcd client endpoint HOST:PORT.")] = "127.0.0.1:2379",
+    host: Host = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gRPC port.")] = 50050,
+    manager_id: Annotated[str, typer.Option(help="Identity in the leader election.")] = "manager-0",
+    member_ttl: Annotated[int, typer.Option(help="Seconds a server stays listed without heartbeats.")] = 10,
+) -> None:
+    """Global manager: membership, capacity view and rBlock placement ledger in etcd."""
+    from infinite_llm.services.manager.server import ManagerServerConfig, serve
+
+    try:
+        config = ManagerServerConfig(etcd=etcd, host=host, port=port, manager_id=manager_id, member_ttl_s=member_ttl)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    asyncio.run(serve(config))
+
+
+@serve_app.command("compute")
+def serve_compute(
+    manager: Annotated[str, typer.Option(help="Global manager HOST:PORT.")] = "127.0.0.1:50050",
+    host: Host = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gRPC port.")] = 50070,
+    instance_id: Annotated[str, typer.Option(help="Name in logs and stats.")] = "compute-0",
+    model: Model = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    block_size: BlockSize = 16,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one step.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill).")] = 512,
+) -> None:
+    """Compute instance: dense layers + scheduler; attention on the attention servers."""
+    from infinite_llm.services.compute.server import ComputeConfig, serve
+
+    config = ComputeConfig(manager_address=manager, host=host, port=port, instance_id=instance_id, model=model,
+                           dtype=_dtype(dtype), block_size=block_size, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens)
+    asyncio.run(serve(config))
+
+
+@serve_app.command("router")
+def serve_router(
+    compute: Annotated[list[str], typer.Option(help="Compute instance HOST:PORT (repeatable).")],
+    host: Host = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
+    model: Model = None,
+) -> None:
+    """Router: the public gRPC API (Generate, GenerateStream, Abort, ListModels, Tokenize)."""
+    from infinite_llm.services.router.server import RouterConfig, serve
+
+    asyncio.run(serve(RouterConfig(compute_addresses=tuple(compute), host=host, port=port, model=model)))
+
+
+def up(
+    attention_servers: Annotated[int, typer.Option(help="Attention servers to start.")] = 3,
+    compute_instances: Annotated[int, typer.Option(help="Compute instances to start.")] = 1,
+    kv_memory: Annotated[str, typer.Option(help="KV memory per attention server, e.g. 64MiB.")] = "64MiB",
+    port: Annotated[int, typer.Option(help="Router port.")] = 50051,
+    manager_port: Annotated[int, typer.Option(help="Manager port (0 = any free one).")] = 50050,
+    model: Model = None,
+    block_size: BlockSize = 16,
+) -> None:
+    """Start etcd, the manager, attention servers, compute instances and the router on loopback."""
+    from infinite_llm.mesh import LocalMesh, MeshConfig
+
+    config = MeshConfig(attention_servers=attention_servers, compute_instances=compute_instances,
+                        kv_memory_bytes=_size(kv_memory), router_port=port, manager_port=manager_port,
+                        model=model, block_size=block_size)
+    mesh = LocalMesh(config)
+    with err.status("starting the mesh (etcd, manager, servers, compute, router)...", spinner="dots"):
+        mesh.start()
+    try:
+        _print_mesh(mesh)
+        done = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: done.set())
+        while not done.wait(1.0):
+            dead = [p.name for p in mesh.procs if not p.alive()]
+            if dead:
+                err.print(f"[red]exited:[/red] {', '.join(dead)}; logs in {mesh.log_dir}")
+                break
+    finally:
+        err.print("stopping the mesh...")
+        mesh.stop()
+
+
+def _print_mesh(mesh) -> None:  # noqa: ANN001
+    table = Table(title="local mesh")
+    table.add_column("service")
+    table.add_column("listens on")
+    table.add_column("log")
+    if mesh.etcd is not None:
+        table.add_row("etcd", f"{mesh.etcd.host}:{mesh.etcd.client_port}", str(mesh.etcd.log_path))
+    for p in mesh.procs:
+        table.add_row(p.name, p.address, str(p.log_path))
+    Console().print(table)
+    Console().print(f"router: {mesh.router_address}    manager: {mesh.manager_address}    (Ctrl-C stops all)")
+
+
+def status(
+    manager: Annotated[str, typer.Option(help="Global manager HOST:PORT.")] = "127.0.0.1:50050",
+) -> None:
+    """Print the cluster: servers with rBlocks used/free, and where each sequence's rBlocks are."""
+    from infinite_llm.services.admin import cluster_state, render_status
+
+    render_status(cluster_state(manager), Console())
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(serve_app, name="serve")
+    app.command("up")(up)
+    app.command("status")(status)

@@ -1,0 +1,197 @@
+"""The local mesh: etcd, the global manager, N attention servers, M compute instances and the router as
+real processes on loopback (``infinite-llm up``; also the tests' and benchmarks' fixture).
+
+Each service is ``python -m infinite_llm.cli serve <role> ...`` on a free port; ``start`` returns when every
+one answers the standard gRPC health check with SERVING and every attention server is registered with the
+manager. ``stop`` sends SIGTERM (graceful drain), then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from infinite_llm.core.errors import Unavailable
+from infinite_llm.state.etcd_launcher import EtcdProcess, free_port, start_etcd
+
+log = logging.getLogger(__name__)
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the local mesh. ``kv_memory_bytes`` is per attention server (bytes)."""
+
+    attention_servers: int = 3
+    compute_instances: int = 1
+    kv_memory_bytes: int = 64 << 20
+    router_port: int = 50051
+    manager_port: int = 0
+    model: str | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    member_ttl_s: int = 10
+    startup_timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        if self.attention_servers < 1 or self.compute_instances < 1:
+            raise ValueError("a mesh needs at least one attention server and one compute instance")
+
+
+@dataclass
+class Proc:
+    """One service process."""
+
+    role: str
+    name: str
+    address: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclass
+class LocalMesh:
+    """A running local mesh. Use as a context manager or call :meth:`stop`."""
+
+    config: MeshConfig
+    etcd: EtcdProcess | None = None
+    procs: list[Proc] = field(default_factory=list)
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="infinite-llm-mesh-")))
+
+    @property
+    def router_address(self) -> str:
+        return self._by_role("router")[0].address
+
+    @property
+    def manager_address(self) -> str:
+        return self._by_role("manager")[0].address
+
+    def _by_role(self, role: str) -> list[Proc]:
+        return [p for p in self.procs if p.role == role]
+
+    def attention_servers(self) -> list[Proc]:
+        return self._by_role("attention")
+
+    def compute_instances(self) -> list[Proc]:
+        return self._by_role("compute")
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> LocalMesh:
+        """Start everything in dependency order; raises ``Unavailable`` (after stopping all) on failure."""
+        c = self.config
+        try:
+            self.etcd = start_etcd(data_dir=self.log_dir / "etcd")
+            manager_port = c.manager_port or free_port()
+            self._spawn("manager", "manager-0", manager_port, ["--etcd", f"{self.etcd.host}:{self.etcd.client_port}",
+                                                               "--member-ttl", str(c.member_ttl_s)])
+            self._wait_healthy(self._by_role("manager"))
+            for i in range(c.attention_servers):
+                self.spawn_attention(f"attn-{i}")
+            for i in range(c.compute_instances):
+                self._spawn("compute", f"compute-{i}", free_port(), [
+                    "--manager", self.manager_address, "--block-size", str(c.block_size),
+                    "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+                    "--max-num-seqs", str(c.max_num_seqs), *self._model_args()])
+            computes = [a for p in self.compute_instances() for a in ("--compute", p.address)]
+            self._spawn("router", "router", c.router_port, [*computes, *self._model_args()])
+            self._wait_healthy(self.procs)
+            self.wait_registered(c.attention_servers)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def spawn_attention(self, name: str) -> Proc:
+        """Start one more attention server (also used by tests that add or kill servers)."""
+        c = self.config
+        return self._spawn("attention", name, free_port(), [
+            "--server-id", name, "--kv-memory", str(c.kv_memory_bytes), "--block-size", str(c.block_size),
+            "--manager", self.manager_address, *self._model_args()])
+
+    def _model_args(self) -> list[str]:
+        return ["--model", self.config.model] if self.config.model else []
+
+    def _spawn(self, role: str, name: str, port: int, args: list[str]) -> Proc:
+        log_path = self.log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "infinite_llm.cli", "serve", role, "--host", HOST, "--port", str(port), *args]
+        if role == "compute":
+            cmd += ["--instance-id", name]
+        with open(log_path, "wb") as out:
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_healthy(self, procs: list[Proc]) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        for p in procs:
+            while not health_check(p.address):
+                if not p.alive():
+                    raise Unavailable(f"{p.name} exited during startup:\n{tail(p.log_path)}")
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"{p.name} not healthy after {self.config.startup_timeout_s:.0f} s:\n"
+                                      f"{tail(p.log_path)}")
+                time.sleep(0.2)
+
+    def wait_registered(self, n: int, timeout_s: float = 30.0) -> None:
+        """Wait until the manager lists exactly ``n`` attention servers."""
+        from infinite_llm.services.admin import cluster_state
+
+        deadline = time.monotonic() + timeout_s
+        while len(cluster_state(self.manager_address).servers) != n:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"manager does not list {n} attention servers after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process (router first, etcd last), SIGKILL what is left after ``grace_s``."""
+        for p in reversed(self.procs):
+            if p.alive():
+                p.popen.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    def __enter__(self) -> LocalMesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def health_check(address: str, timeout_s: float = 1.0) -> bool:
+    """True when ``address`` answers grpc.health.v1 with SERVING for the whole server."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
