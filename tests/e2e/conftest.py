@@ -1,0 +1,44 @@
+"""A real local mesh for the end-to-end tests: etcd, manager, 3 attention servers, 1 compute, router.
+
+Every attention server holds only ``BLOCKS_PER_SERVER`` rBlocks, so any prompt longer than
+``BLOCKS_PER_SERVER * 16`` tokens must spread its KV over several servers.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from infinite_llm.core.rmanager import KVLayout
+from infinite_llm.mesh import LocalMesh, MeshConfig
+from infinite_llm.pb.v1 import attention_server_pb2 as apb
+from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
+
+BLOCK_SIZE = 16
+BLOCKS_PER_SERVER = 8
+# SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, fp32
+BYTES_PER_BLOCK = KVLayout(30, BLOCK_SIZE, 3, 64).bytes_per_block
+
+
+@pytest.fixture(scope="session")
+def mesh(default_model_path):
+    config = MeshConfig(attention_servers=3, compute_instances=1, kv_memory_bytes=BLOCKS_PER_SERVER * BYTES_PER_BLOCK,
+                        router_port=_free_port(), block_size=BLOCK_SIZE, member_ttl_s=3, max_num_batched_tokens=256)
+    with LocalMesh(config) as m:
+        yield m
+
+
+def _free_port() -> int:
+    from infinite_llm.state.etcd_launcher import free_port
+
+    return free_port()
+
+
+def server_stats(address: str) -> apb.GetStatsResponse:
+    with grpc.insecure_channel(address) as ch:
+        return agrpc.AttentionServerStub(ch).GetStats(apb.GetStatsRequest(), timeout=5)
+
+
+def all_blocks_free(mesh: LocalMesh) -> bool:
+    stats = [server_stats(p.address) for p in mesh.attention_servers() if p.alive()]
+    return all(s.num_used == 0 and s.num_reserved == 0 and s.num_free == s.num_blocks for s in stats)
