@@ -22,13 +22,13 @@ $(STAMP): pyproject.toml
 model: install
 	$(BIN)/infinite-llm fetch-model
 
-# The main job: a question about a real document that ships with the OS (~2,500 tokens), answered by
-# the engine with its KV cut into rBlocks over 4 DistAttention partitions.
+# The main job: the local mesh (etcd, manager, 3 attention servers each too small for the context, a compute
+# instance, the router) answers a question about a real document that ships with the OS (~2,300 tokens),
+# streaming the answer, then prints where the request's rBlocks lived and the tokens/s.
 DOC ?= /usr/share/common-licenses/Apache-2.0
 QUESTION ?= According to this license, what must you do when you redistribute the Work? Answer briefly.
 run: install model
-	{ cat $(DOC); printf '\n\nQuestion: %s\n' "$(QUESTION)"; } | \
-		$(BIN)/infinite-llm generate --chat --prompt-file - --max-tokens 96 --num-partitions 4
+	$(BIN)/python -m infinite_llm.main_job --doc "$(DOC)" --question "$(QUESTION)"
 
 test: install model
 	$(BIN)/python -m pytest -q -ra
@@ -40,6 +40,7 @@ lint: install
 bench: install model
 	$(BIN)/python benchmarks/attention_bandwidth.py
 	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/mesh_overhead.py
 
 clean:
 	rm -rf $(VENV) .model_cache .pytest_cache .ruff_cache

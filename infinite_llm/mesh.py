@@ -1,9 +1,11 @@
-"""The local mesh: etcd, the global manager, N attention servers, M compute instances and the router as
-real processes on loopback (``infinite-llm up``; also the tests' and benchmarks' fixture).
+"""The local mesh: etcd, the global manager, N attention servers, M compute instances, the router and the
+OpenAI-compatible REST gateway as real processes on loopback (``infinite-llm up``; also the tests' and
+benchmarks' fixture).
 
 Each service is ``python -m infinite_llm.cli serve <role> ...`` on a free port; ``start`` returns when every
-one answers the standard gRPC health check with SERVING and every attention server is registered with the
-manager. ``stop`` sends SIGTERM (graceful drain), then SIGKILL after a grace period.
+one answers the standard gRPC health check with SERVING (the gateway: HTTP ``GET /health`` with 200) and
+every attention server is registered with the manager. ``stop`` sends SIGTERM (graceful drain), then SIGKILL
+after a grace period.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +46,7 @@ class MeshConfig:
     max_num_seqs: int = 64
     member_ttl_s: int = 10
     startup_timeout_s: float = 180.0
+    gateway_port: int = 8000  # OpenAI-compatible REST gateway (HTTP); 0 = any free port
 
     def __post_init__(self) -> None:
         if self.attention_servers < 1 or self.compute_instances < 1:
@@ -76,6 +81,11 @@ class LocalMesh:
         return self._by_role("router")[0].address
 
     @property
+    def gateway_address(self) -> str:
+        """HOST:PORT of the REST gateway (``http://{gateway_address}/v1`` is the OpenAI base URL)."""
+        return self._by_role("gateway")[0].address
+
+    @property
     def manager_address(self) -> str:
         return self._by_role("manager")[0].address
 
@@ -106,8 +116,11 @@ class LocalMesh:
                     "--max-num-batched-tokens", str(c.max_num_batched_tokens),
                     "--max-num-seqs", str(c.max_num_seqs), *self._model_args()])
             computes = [a for p in self.compute_instances() for a in ("--compute", p.address)]
-            self._spawn("router", "router", c.router_port, [*computes, *self._model_args()])
-            self._wait_healthy(self.procs)
+            router = self._spawn("router", "router", c.router_port, [*computes, *self._model_args()])
+            gateway = self._spawn("gateway", "gateway", c.gateway_port or free_port(),
+                                  ["--router", router.address, *self._model_args()])
+            self._wait_healthy([p for p in self.procs if p is not gateway])
+            self._wait_healthy([gateway], check=http_health_check)
             self.wait_registered(c.attention_servers)
         except BaseException:
             self.stop()
@@ -129,17 +142,23 @@ class LocalMesh:
         cmd = [sys.executable, "-m", "infinite_llm.cli", "serve", role, "--host", HOST, "--port", str(port), *args]
         if role == "compute":
             cmd += ["--instance-id", name]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if role != "compute" and "OMP_NUM_THREADS" not in os.environ:
+            # One machine hosts the whole mesh: only the dense layers get every core; more torch threads than
+            # cores make OpenMP spin against each other.
+            env["OMP_NUM_THREADS"] = "1"
         with open(log_path, "wb") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         proc = Proc(role, name, f"{HOST}:{port}", popen, log_path)
         self.procs.append(proc)
         return proc
 
-    def _wait_healthy(self, procs: list[Proc]) -> None:
+    def _wait_healthy(self, procs: list[Proc], check: Callable[[str], bool] | None = None) -> None:
+        """Wait until ``check`` (default: the gRPC health check) passes for each of ``procs``."""
+        check = check or health_check
         deadline = time.monotonic() + self.config.startup_timeout_s
         for p in procs:
-            while not health_check(p.address):
+            while not check(p.address):
                 if not p.alive():
                     raise Unavailable(f"{p.name} exited during startup:\n{tail(p.log_path)}")
                 if time.monotonic() > deadline:
@@ -188,6 +207,16 @@ def health_check(address: str, timeout_s: float = 1.0) -> bool:
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_health_check(address: str, timeout_s: float = 1.0) -> bool:
+    """True when ``GET http://{address}/health`` answers 200 (asked directly: no proxy from the environment)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"http://{address}/health", timeout=timeout_s) as reply:
+            return reply.status == 200
+    except (OSError, ValueError):  # refused, reset, timed out, HTTP 503 (HTTPError is an OSError)
+        return False
 
 
 def tail(path: Path, lines: int = 30) -> str:

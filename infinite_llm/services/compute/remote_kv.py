@@ -45,6 +45,8 @@ class RemoteKV:
         self._lock = threading.Lock()
         self._released: dict[str, dict[str, int]] = {}
         self.rpc_seconds: dict[str, float] = {}  # time in AttendStep per server, for stats and benchmarks
+        self.layer_rpc_seconds = 0.0  # wall time of every per-layer fan-out (seconds)
+        self.layer_rpc_count = 0
 
     # ---- block manager ----------------------------------------------------------------------------
     def _cluster(self) -> tuple[int, int]:
@@ -129,6 +131,7 @@ class RemoteKV:
     def _attend(self, layer: int, per_server, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One ``AttendStep`` per server, concurrently; merge. ``q [T, H, D]``, ``k, v [T, Hkv, D]``."""
         t, h, d = q.shape
+        fan_out_start = time.perf_counter()
         futures = []
         for server, items in per_server.items():
             req = apb.AttendStepRequest(layer=layer, seqs=[_seq_attend(it, rows, q, k, v) for it, rows in items])
@@ -145,6 +148,8 @@ class RemoteKV:
                 idx = torch.tensor(rows, dtype=torch.int64)
                 outs[j, idx] = decode_tensor(part.partial_out, field="partial_out").to(q.dtype)
                 lses[j, idx] = decode_tensor(part.lse, field="lse")
+        self.layer_rpc_seconds += time.perf_counter() - fan_out_start
+        self.layer_rpc_count += 1
         if len(futures) == 1:
             return outs[0]
         return merge_partials(outs, lses)[0]

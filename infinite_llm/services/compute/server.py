@@ -67,7 +67,7 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     engine, kv, model_name = build_engine(config)
     loop = EngineLoop(engine)
     loop.start()
-    servicer = ComputeInstanceServicer(loop, config.instance_id, model_name, placement_of=kv.pop_placement)
+    servicer = ComputeInstanceServicer(loop, config.instance_id, model_name, kv=kv)
     service = Service.of(compute_instance_pb2, "ComputeInstance",
                          compute_instance_pb2_grpc.add_ComputeInstanceServicer_to_server, servicer)
     server = await start_server([service], f"{config.host}:{config.port}")

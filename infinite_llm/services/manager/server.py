@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
 from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, DrainGuard, KubernetesScaler
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
 from infinite_llm.services.manager.manager import GlobalManager, ManagerConfig
 from infinite_llm.services.manager.servicer import GlobalManagerServicer
@@ -29,6 +30,7 @@ class ManagerServerConfig:
     member_ttl_s: int = 10
     leader_ttl_s: int = 10
     acquire_timeout_s: float = 60.0
+    autoscale: AutoscaleSettings | None = None  # scale the attention StatefulSet (in a Kubernetes pod only)
 
     def __post_init__(self) -> None:
         host, _, port = self.etcd.rpartition(":")
@@ -37,22 +39,34 @@ class ManagerServerConfig:
 
 
 async def serve(config: ManagerServerConfig) -> None:
+    scale = config.autoscale
+    scaler = None if scale is None else KubernetesScaler.in_cluster(scale.statefulset, scale.namespace)  # fail fast
     host, _, port = config.etcd.rpartition(":")
     store = EtcdStore(host, int(port), prefix=config.prefix)
     await store.connect()
     holder: list[GlobalManagerServicer] = []
     servers = GrpcBlockServers(lambda sid: holder[0].address_of(sid))
-    manager = GlobalManager(store, servers, ManagerConfig(config.manager_id, config.member_ttl_s, config.leader_ttl_s))
+    guard = DrainGuard(servers) if scale is not None else None
+    manager = GlobalManager(store, guard or servers, ManagerConfig(config.manager_id, config.member_ttl_s,
+                                                                   config.leader_ttl_s))
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
     servicer = GlobalManagerServicer(manager)
     holder.append(servicer)
     service = Service.of(manager_pb2, "GlobalManager", manager_pb2_grpc.add_GlobalManagerServicer_to_server, servicer)
     server = await start_server([service], f"{config.host}:{config.port}")
     log.info("global manager %s leading, listening on %s:%d", config.manager_id, config.host, server.port)
+    autoscaler = None
+    if scale is not None:
+        autoscaler = Autoscaler(manager, guard, scaler, scale)
+        autoscaler.start()
+        log.info("scaling StatefulSet %s/%s between %d and %d attention servers", scaler.namespace,
+                 scale.statefulset, scale.policy.min_replicas, scale.policy.max_replicas)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    if autoscaler is not None:
+        await autoscaler.stop()
     await server.stop()
     await manager.stop()
     await store.close()

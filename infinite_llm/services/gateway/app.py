@@ -1,0 +1,151 @@
+"""The FastAPI application of the REST gateway: routes, API-key check, disconnect handling, SSE responses.
+
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (behind the API key when one is set) and
+``/health`` (open: 200 when the router answers ``ListModels``, else 503). The app holds no state of its own
+beyond the ``RouterBackend``; ``server`` runs it under uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from infinite_llm.client.errors import Cancelled
+from infinite_llm.core.errors import InfiniteLLMError, Unavailable
+from infinite_llm.services.gateway import handlers
+from infinite_llm.services.gateway.backend import RouterBackend
+from infinite_llm.services.gateway.errors import (
+    AuthenticationFailed,
+    MissingApiKey,
+    error_body,
+    install_error_handlers,
+)
+from infinite_llm.services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+T = TypeVar("T")
+HEALTH_TIMEOUT_S = 2.0
+
+
+class EventStream(StreamingResponse):
+    """``text/event-stream``; ``on_close`` runs however the response ends (done, client gone, error)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and so its requests in the mesh) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    raise Cancelled("the client disconnected")
+
+
+def api_key_check(api_key: str | None) -> Callable[..., Awaitable[None]]:
+    """A dependency: with ``api_key`` set, ``Authorization: Bearer <api_key>`` is required (else 401)."""
+
+    async def check(authorization: Annotated[str | None, Header()] = None) -> None:
+        if api_key is None:
+            return
+        if not authorization:
+            raise MissingApiKey("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise AuthenticationFailed("Incorrect API key provided.")
+
+    return check
+
+
+async def generate(request: Request, backend: RouterBackend, body: CompletionRequest | ChatCompletionRequest):  # noqa: ANN201
+    """Shared body of both generation endpoints."""
+    chat = isinstance(body, ChatCompletionRequest)
+    plan = await handlers.plan(backend, body, "chatcmpl" if chat else "cmpl")
+    if not body.stream:
+        outs = await until_disconnect(request, handlers.run_to_end(backend, plan))
+        return handlers.chat_response(plan, outs) if chat else handlers.completion_response(plan, outs)
+    events = handlers.stream(backend, plan)
+    try:
+        first = await until_disconnect(request, anext(events))  # a refused request still gets its status
+    except BaseException:
+        await events.aclose()
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunks = handlers.chat_chunks if chat else handlers.completion_chunks
+    bodies = chunks(plan, handlers.prepend(first, events), include_usage)
+    return EventStream(handlers.sse_stream(bodies), on_close=events.aclose)
+
+
+def create_app(backend: RouterBackend, api_key: str | None = None) -> FastAPI:
+    """The gateway over ``backend``; ``api_key`` (None: no check) guards every ``/v1`` route."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app = FastAPI(title="Infinite-LLM OpenAI-compatible gateway", lifespan=lifespan)
+    install_error_handlers(app)
+    started = int(time.time())
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_key))])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):  # noqa: ANN202
+        return await generate(request, backend, body)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):  # noqa: ANN202
+        return await generate(request, backend, body)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        cards = await backend.models(fresh=True)
+        return ModelList(
+            data=[
+                ModelCard(id=c.id, created=started, owned_by=c.owned_by, max_model_len=c.max_model_len) for c in cards
+            ]
+        )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            await backend.models(fresh=True, timeout_s=HEALTH_TIMEOUT_S)
+        except InfiniteLLMError as e:
+            down = Unavailable(f"the router at {backend.router_address} does not answer ListModels: {e.message}")
+            return JSONResponse(error_body(down).model_dump(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    app.include_router(v1)
+    return app

@@ -1,0 +1,108 @@
+"""Errors of the REST gateway as OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every typed error (``infinite_llm.core.errors``, ``infinite_llm.client.errors``) carries its HTTP status and
+OpenAI type/code; this module adds the few that only the gateway raises, turns the router's errors into
+the gateway's (a context-length INVALID_ARGUMENT, an unknown model), and installs the FastAPI handlers,
+FastAPI's 422 for a malformed body included (OpenAI answers 400).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from infinite_llm.core.errors import ContextLengthExceeded, InfiniteLLMError, InvalidRequest, NotFound
+from infinite_llm.services.gateway.protocol import ErrorBody, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFound(NotFound):
+    """The request names a model the mesh does not serve (OpenAI: 404 ``model_not_found``)."""
+
+    openai_type = "invalid_request_error"
+    openai_code = "model_not_found"
+
+
+class AuthenticationFailed(InfiniteLLMError):
+    """No API key, or a wrong one, while the gateway requires one."""
+
+    http_status = 401
+    openai_type = "invalid_request_error"
+    openai_code = "invalid_api_key"
+
+
+class MissingApiKey(AuthenticationFailed):
+    """No ``Authorization: Bearer`` header at all (OpenAI leaves ``code`` empty for this one)."""
+
+    openai_code = None
+
+
+class RequestAborted(InfiniteLLMError):
+    """The mesh aborted the request before it finished (a Router ``Abort`` call): the output is partial."""
+
+    grpc_code = "ABORTED"
+    http_status = 503
+    openai_type = "server_error"
+    openai_code = "request_aborted"
+
+
+def from_router(e: InfiniteLLMError) -> InfiniteLLMError:
+    """The gateway's error for one the router raised: the router's status codes carry no ``param``."""
+    if isinstance(e, InvalidRequest) and "maximum length" in e.message:
+        return ContextLengthExceeded(e.message, param="max_tokens")
+    if isinstance(e, NotFound):
+        return ModelNotFound(e.message, param="model")
+    return e
+
+
+def error_body(e: InfiniteLLMError) -> ErrorResponse:
+    return ErrorResponse(error=ErrorBody(message=e.message, type=e.openai_type, param=e.param, code=e.openai_code))
+
+
+def error_response(status: int, body: ErrorResponse) -> JSONResponse:
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+async def _typed(request: Request, e: InfiniteLLMError) -> JSONResponse:
+    if e.http_status >= 500:
+        log.warning("%s %s -> %d: %s", request.method, request.url.path, e.http_status, e.message)
+    return error_response(e.http_status, error_body(e))
+
+
+async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+    """FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the first bad parameter."""
+    errors = e.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first['msg']}" if param else str(first["msg"])
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return error_response(
+        400, ErrorResponse(error=ErrorBody(message=message, type="invalid_request_error", param=param))
+    )
+
+
+async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
+    message = f"{e.detail} ({request.method} {request.url.path})"
+    return error_response(e.status_code, ErrorResponse(error=ErrorBody(message=message, type=kind)))
+
+
+async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+    log.exception("%s %s failed", request.method, request.url.path)
+    return error_response(
+        500, ErrorResponse(error=ErrorBody(message=f"internal error: {type(e).__name__}", type="server_error"))
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(InfiniteLLMError, _typed)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _unexpected)

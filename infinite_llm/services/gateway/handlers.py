@@ -1,0 +1,173 @@
+"""The two generation endpoints: OpenAI request -> ``Plan`` -> router calls -> OpenAI response or SSE stream.
+
+A non-streamed call runs its choices concurrently and answers once all finished. A streamed call waits for
+the first chunk before answering, so that a request the mesh refuses (bad parameter, no KV memory) still
+gets an HTTP error status; later failures become an SSE ``{"error": ...}`` event. Either way the call is
+cancelled in the mesh when the client goes away (``app`` watches for the disconnect).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel
+
+from infinite_llm.client.sdk import CompletionChunk
+from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest
+from infinite_llm.services.gateway import params
+from infinite_llm.services.gateway.backend import RouterBackend, gather_or_cancel, merged
+from infinite_llm.services.gateway.errors import error_body
+from infinite_llm.services.gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    Usage,
+)
+
+Events = AsyncIterator[tuple[int, CompletionChunk]]  # (choice index, chunk)
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:  # noqa: ANN001
+    """Token ids of each prompt; text is tokenized as the engine would (its special tokens added)."""
+    raw = req.prompt
+    items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    if not items:
+        raise InvalidRequest("prompt is empty", param="prompt")
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+    if any(not p for p in prompts):
+        raise InvalidRequest("prompt is empty", param="prompt")
+    return prompts
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:  # noqa: ANN001
+    """The model's chat template over ``messages``, tokenized without adding special tokens (as the CLI does)."""
+    rendered = []
+    for i, m in enumerate(messages):
+        content = m.content or ""
+        if not isinstance(content, str):
+            if any(part.type != "text" for part in content):
+                raise InvalidRequest("only text content parts are supported", param=f"messages.{i}.content")
+            content = "".join(part.text or "" for part in content)
+        rendered.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return tokenizer.encode_chat(rendered, add_generation_prompt=True)
+
+
+async def plan(backend: RouterBackend, req: CompletionRequest | ChatCompletionRequest, prefix: str) -> params.Plan:
+    """Validate ``req`` at the gateway (model, unsupported fields, context length) and build its ``Plan``."""
+    params.reject_unsupported(req)
+    card = await backend.model(req.model)
+    chat = isinstance(req, ChatCompletionRequest)
+    prompts = [chat_prompt(req.messages, backend.tokenizer)] if chat else completion_prompts(req, backend.tokenizer)
+    max_tokens = min(params.max_tokens(req, len(p), card.max_model_len, chat) for p in prompts)
+    return params.Plan(
+        id=f"{prefix}-{uuid.uuid4().hex}",
+        model=card.id,
+        prompts=prompts,
+        n=req.n or 1,
+        sampling=params.sampling_kwargs(req, max_tokens),
+        seed=req.seed,
+    )
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+async def run_to_end(backend: RouterBackend, p: params.Plan) -> list[CompletionChunk]:
+    """Every choice's whole completion, in choice order."""
+    return await gather_or_cancel([backend.generate(ids, rid, p.model, **s) for rid, ids, s in p.requests()])
+
+
+def stream(backend: RouterBackend, p: params.Plan) -> Events:
+    return merged([backend.stream(ids, rid, p.model, **s) for rid, ids, s in p.requests()])
+
+
+def _usage(p: params.Plan, outs: list[CompletionChunk]) -> Usage:
+    return Usage.of(p.prompt_tokens, sum(o.completion_tokens for o in outs))
+
+
+def completion_response(p: params.Plan, outs: list[CompletionChunk]) -> CompletionResponse:
+    choices = [
+        CompletionChoice(index=i, text=o.text, finish_reason=params.finish_reason(o.finish_reason))
+        for i, o in enumerate(outs)
+    ]
+    return CompletionResponse(id=p.id, created=int(time.time()), model=p.model, choices=choices, usage=_usage(p, outs))
+
+
+def chat_response(p: params.Plan, outs: list[CompletionChunk]) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(
+            index=i, message=AssistantMessage(content=o.text), finish_reason=params.finish_reason(o.finish_reason)
+        )
+        for i, o in enumerate(outs)
+    ]
+    return ChatCompletionResponse(
+        id=p.id, created=int(time.time()), model=p.model, choices=choices, usage=_usage(p, outs)
+    )
+
+
+# ---- server-sent events ----------------------------------------------------------------------------------
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def sse_stream(bodies: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """``data: {...}`` per body, an error event if the stream fails midway, then ``data: [DONE]``."""
+    try:
+        async for body in bodies:
+            yield sse(body)
+    except InfiniteLLMError as e:
+        yield sse(error_body(e))
+    yield "data: [DONE]\n\n"
+
+
+async def completion_chunks(p: params.Plan, events: Events, include_usage: bool) -> AsyncIterator[BaseModel]:
+    created, completion_tokens = int(time.time()), 0
+    async for i, chunk in events:
+        finish = params.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
+        completion_tokens += chunk.completion_tokens if finish else 0
+        if chunk.text or finish:
+            choice = CompletionChoice(index=i, text=chunk.text, finish_reason=finish)
+            yield CompletionResponse(id=p.id, created=created, model=p.model, choices=[choice])
+    if include_usage:
+        yield CompletionResponse(
+            id=p.id, created=created, model=p.model, choices=[], usage=Usage.of(p.prompt_tokens, completion_tokens)
+        )
+
+
+async def chat_chunks(p: params.Plan, events: Events, include_usage: bool) -> AsyncIterator[BaseModel]:
+    """Per choice: a first delta with the role, content deltas, then an empty delta with the finish reason."""
+    created, completion_tokens, started = int(time.time()), 0, set()
+
+    def chunk_of(choice: ChatStreamChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=p.id, created=created, model=p.model, choices=[choice])
+
+    async for i, chunk in events:
+        if i not in started:
+            started.add(i)
+            yield chunk_of(ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")))
+        if chunk.text:
+            yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=chunk.text)))
+        if chunk.finish_reason:
+            completion_tokens += chunk.completion_tokens
+            yield chunk_of(
+                ChatStreamChoice(index=i, delta=Delta(), finish_reason=params.finish_reason(chunk.finish_reason))
+            )
+    if include_usage:
+        yield ChatCompletionChunk(
+            id=p.id, created=created, model=p.model, choices=[], usage=Usage.of(p.prompt_tokens, completion_tokens)
+        )
+
+
+async def prepend(first: tuple[int, CompletionChunk], events: Events) -> Events:
+    yield first
+    async for item in events:
+        yield item

@@ -1,0 +1,130 @@
+"""OpenAI request fields -> what the router is asked: token-id prompts, sampling keywords, one request per choice.
+
+Defaults: ``max_tokens`` is 16 for a completion (OpenAI's legacy default) and ``min(512, max_model_len -
+prompt tokens)`` for a chat completion (a chat answer should not stop mid-sentence, nor be bounded only by
+an 8k-token context); ``temperature``/``top_p`` unset take the engine's 1.0. With a ``seed``, choice ``j``
+of a prompt samples with ``seed + j``, so choices differ and each reproduces alone; without one, each
+choice gets a random seed in the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infinite_llm.core.errors import ContextLengthExceeded, InvalidRequest
+from infinite_llm.services.gateway.errors import RequestAborted
+from infinite_llm.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+CHAT_DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The router requests of one API call: choice ``i = prompt_index * n + j`` samples ``prompts[p]``."""
+
+    id: str
+    model: str
+    prompts: list[list[int]]
+    n: int
+    sampling: dict = field(default_factory=dict)  # AsyncClient keywords, seed excluded
+    seed: int | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens counted once per prompt, not once per choice (as OpenAI bills ``n``)."""
+        return sum(len(p) for p in self.prompts)
+
+    def requests(self) -> list[tuple[str, list[int], dict]]:
+        """``(router request id, prompt ids, sampling)`` per choice, in choice-index order."""
+        out = []
+        for p, ids in enumerate(self.prompts):
+            for j in range(self.n):
+                seed = {} if self.seed is None else {"seed": self.seed + j}
+                out.append((f"{self.id}-{p * self.n + j}", ids, {**self.sampling, **seed}))
+        return out
+
+
+def reject_unsupported(req: SamplingFields) -> None:
+    """400 for fields the engine cannot honour, instead of silently ignoring them."""
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise InvalidRequest(f"{name} is not supported by this server; leave it unset or 0", param=name)
+    if req.logit_bias:
+        raise InvalidRequest("logit_bias is not supported by this server", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        _reject_completion_fields(req)
+    elif isinstance(req, ChatCompletionRequest):
+        _reject_chat_fields(req)
+
+
+def _no_logprobs() -> InvalidRequest:
+    return InvalidRequest(
+        "logprobs are not supported yet: the engine does not return token log-probabilities", param="logprobs"
+    )
+
+
+def _reject_completion_fields(req: CompletionRequest) -> None:
+    if req.logprobs is not None:
+        raise _no_logprobs()
+    if req.echo:
+        raise InvalidRequest("echo is not supported by this server", param="echo")
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported by this server", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise InvalidRequest("best_of is not supported by this server (only best_of == n)", param="best_of")
+
+
+def _reject_chat_fields(req: ChatCompletionRequest) -> None:
+    if req.logprobs or req.top_logprobs:
+        raise _no_logprobs()
+    if req.tools or req.functions:
+        raise InvalidRequest("tools and function calling are not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise InvalidRequest("only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def sampling_kwargs(req: SamplingFields, max_tokens: int) -> dict:
+    """The ``AsyncClient`` sampling keywords (seed excluded: it varies per choice)."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    top_k = None if req.top_k in (None, -1) else req.top_k
+    return {
+        "max_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": top_k,
+        "stop": stop,
+        "stop_token_ids": list(req.stop_token_ids or ()),
+        "ignore_eos": req.ignore_eos,
+    }
+
+
+def max_tokens(req: SamplingFields, prompt_len: int, max_model_len: int, chat: bool) -> int:
+    """Requested (``max_completion_tokens`` wins) or default completion length, checked against the context.
+
+    Raises ``ContextLengthExceeded`` (400 ``context_length_exceeded``) when prompt + completion cannot fit.
+    """
+    requested = req.max_completion_tokens or req.max_tokens
+    room = max_model_len - prompt_len
+    if requested is None:
+        requested = min(CHAT_DEFAULT_MAX_TOKENS, room) if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    if requested > room or room <= 0:
+        where = "messages" if chat else "prompt"
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max(requested, 0)} tokens ({prompt_len} in the {where}, {max(requested, 0)} in the "
+            f"completion). Please reduce the length of the {where} or completion.",
+            param=where if room <= 0 else "max_tokens",
+        )
+    return requested
+
+
+def finish_reason(engine_reason: str | None) -> str:
+    """OpenAI's ``finish_reason`` for the engine's: stop and length carry over; an abort is an error."""
+    if engine_reason in ("stop", "length"):
+        return engine_reason
+    if engine_reason == "abort":
+        raise RequestAborted("the request was aborted in the mesh before it finished; its output is partial")
+    raise RequestAborted(f"the request ended without a finish reason ({engine_reason!r})")

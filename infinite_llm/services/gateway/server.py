@@ -1,0 +1,78 @@
+"""``infinite-llm serve gateway``: the OpenAI-compatible REST gateway under uvicorn, in front of the router.
+
+The gateway loads only the model's tokenizer (chat templates are applied and prompts tokenized here) and
+talks to the router over gRPC. uvicorn drains open connections on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from infinite_llm.services.gateway.app import create_app
+from infinite_llm.services.gateway.backend import RouterBackend
+
+log = logging.getLogger(__name__)
+API_KEY_ENV = "INFINITE_LLM_API_KEY"
+SHUTDOWN_GRACE_S = 10  # open streams get this long to finish on SIGTERM (seconds)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Gateway settings.
+
+    ``router``: the Router's HOST:PORT. ``api_key``: required as ``Authorization: Bearer <key>`` on ``/v1``;
+    None (or "") serves without one. ``model``: where the tokenizer and chat template come from; the model
+    the mesh serves (None: the default model).
+    """
+
+    router: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        host, _, port = self.router.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--router must be HOST:PORT, got {self.router!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.api_key == "":
+            object.__setattr__(self, "api_key", None)
+
+
+def build_app(config: GatewayConfig) -> FastAPI:
+    """The app for ``config``, with the model's tokenizer loaded (no weights)."""
+    from infinite_llm.models.registry import load_model_config, load_tokenizer, resolve_model
+
+    resolved = resolve_model(config.model)
+    tokenizer = load_tokenizer(resolved, load_model_config(resolved))
+    return create_app(RouterBackend(config.router, tokenizer), api_key=config.api_key)
+
+
+async def serve(config: GatewayConfig) -> None:
+    import uvicorn
+
+    app = build_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            loop="asyncio",
+            lifespan="on",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            log_level="info",
+        )
+    )
+    log.info(
+        "gateway on http://%s:%d -> router %s (API key %s)",
+        config.host,
+        config.port,
+        config.router,
+        "required" if config.api_key else "not required",
+    )
+    await server.serve()

@@ -1,0 +1,81 @@
+"""Draining attention servers: placement stops using them, and the manager can tell when they are empty.
+
+:class:`DrainGuard` wraps the manager's :class:`BlockServers` (its hands on the attention servers). A
+reservation on a draining server is refused here, without a network call, with ``CapacityExhausted``, which
+placement already handles: it marks the server stale and places the share elsewhere (DESIGN.md §5). The
+guard also counts reservations in flight per server (reserved, not yet committed or cancelled), because a
+placement that reserved before the drain began is written to the ledger only afterwards.
+
+What "drained" means here: the ledger places no rBlock on the server and no reservation is in flight on
+it. rBlocks are not migrated away: sequences finish (or are aborted) and release them, and new ones go
+elsewhere. That is slower than moving the KV with ExportBlocks/ImportBlocks, but it never changes a
+compute instance's block table under it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from infinite_llm.core.block_pool import Reservation
+from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.services.manager.placement import BlockServers
+
+
+class DrainGuard:
+    """A :class:`BlockServers` that refuses new reservations on draining servers and counts those in flight."""
+
+    def __init__(self, servers: BlockServers) -> None:
+        self._servers = servers
+        self._draining: frozenset[str] = frozenset()
+        self._in_flight: Counter[str] = Counter()
+        self._open: set[tuple[str, int]] = set()  # (server_id, reservation_id) reserved, not yet settled
+
+    @property
+    def draining(self) -> frozenset[str]:
+        return self._draining
+
+    def set_draining(self, server_ids: frozenset[str]) -> None:
+        """From now on refuse reservations on exactly ``server_ids``."""
+        self._draining = frozenset(server_ids)
+
+    def in_flight(self, server_id: str) -> int:
+        """Reservations on ``server_id`` that were requested and are not yet committed or cancelled."""
+        return self._in_flight[server_id]
+
+    async def reserve(self, server_id: str, seq_id: str, n: int) -> Reservation:
+        """As ``BlockServers.reserve``; raises CapacityExhausted at once if ``server_id`` is draining."""
+        if server_id in self._draining:
+            raise CapacityExhausted(f"attention server {server_id!r} is draining")
+        self._in_flight[server_id] += 1
+        try:
+            reservation = await self._servers.reserve(server_id, seq_id, n)
+        except BaseException:
+            self._done(server_id)
+            raise
+        self._open.add((server_id, reservation.reservation_id))
+        return reservation
+
+    async def commit(self, server_id: str, reservation_id: int) -> list[int]:
+        try:
+            return await self._servers.commit(server_id, reservation_id)
+        finally:
+            self._settle(server_id, reservation_id)
+
+    async def cancel(self, server_id: str, reservation_id: int) -> None:
+        try:
+            await self._servers.cancel(server_id, reservation_id)
+        finally:
+            self._settle(server_id, reservation_id)
+
+    async def free(self, server_id: str, seq_id: str) -> int:
+        return await self._servers.free(server_id, seq_id)
+
+    def _settle(self, server_id: str, reservation_id: int) -> None:
+        if (server_id, reservation_id) in self._open:
+            self._open.discard((server_id, reservation_id))
+            self._done(server_id)
+
+    def _done(self, server_id: str) -> None:
+        self._in_flight[server_id] -= 1
+        if self._in_flight[server_id] <= 0:
+            del self._in_flight[server_id]
