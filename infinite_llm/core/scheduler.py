@@ -167,6 +167,11 @@ class Scheduler:
         seq.num_blocks += need
         return True
 
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence now (recompute later); used when its KV was lost."""
+        self.running.remove(seq)
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV and requeue it first in line, to be recomputed from its tokens."""
         self.blocks.free(seq.seq_id)

@@ -145,6 +145,14 @@ class LLMEngine:
         self.scheduler.finish(req.seq, "abort")
         return self._finish_output(req)
 
+    def recompute_all(self) -> int:
+        """Preempt every running sequence so it is recomputed from its tokens (e.g. KV on a dead attention
+        server was lost: DESIGN.md §6). Returns how many were preempted; their outputs stay identical."""
+        victims = list(self.scheduler.running)
+        for seq in reversed(victims):
+            self.scheduler.preempt(seq)
+        return len(victims)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infinite_llm.core.errors import InfiniteLLMError
+from infinite_llm.core.errors import InfiniteLLMError, Unavailable
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
+MAX_RECOVERIES = 5  # consecutive failed steps before the requests fail with UNAVAILABLE
+RECOVERY_BACKOFF_S = 0.5  # times the attempt number: lets the dead server's lease lapse (seconds)
 Sink = Callable[[RequestOutput | Exception], None]
 
 
@@ -44,6 +47,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.generated_tokens = 0
+        self._failures = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -107,10 +111,14 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except Unavailable as e:
+            self._recover(e)
+            return
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the process
             log.exception("engine step failed; failing %d requests", len(self._sinks))
             self._fail_all(e)
             return
+        self._failures = 0
         for out in outputs:
             self.generated_tokens += len(out.new_token_ids)
             sink = self._sinks.get(out.request_id)
@@ -119,6 +127,25 @@ class EngineLoop:
             if out.finished:
                 del self._sinks[out.request_id]
             sink(out)
+
+    def _recover(self, error: Unavailable) -> None:
+        """An attention server became unreachable mid-step: its KV is gone. Recompute every running sequence
+        from its tokens on the servers that remain (greedy output stays identical); give up after
+        ``MAX_RECOVERIES`` failed steps in a row."""
+        self._failures += 1
+        if self._failures > MAX_RECOVERIES:
+            log.error("step failed %d times in a row (%s); failing %d requests", self._failures, error,
+                      len(self._sinks))
+            self._fail_all(error)
+            return
+        try:
+            n = self.engine.recompute_all()
+        except Exception as e:  # noqa: BLE001 - the manager itself may be unreachable
+            log.exception("could not requeue after a lost attention server")
+            self._fail_all(e)
+            return
+        log.warning("attention server lost (%s); recomputing %d sequences (attempt %d)", error, n, self._failures)
+        time.sleep(RECOVERY_BACKOFF_S * self._failures)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, sink in list(self._sinks.items()):
