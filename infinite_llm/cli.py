@@ -148,7 +148,9 @@ _register_mesh_commands(app)
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from infinite_llm.observability.logs import setup_logging
+
+    setup_logging()
     try:
         app()
     except InfiniteLLMError as e:

@@ -22,6 +22,7 @@ serve_app = typer.Typer(no_args_is_help=True, help="Run one service of the mesh.
 Host = Annotated[str, typer.Option(help="Interface to listen on.")]
 Model = Annotated[str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")]
 BlockSize = Annotated[int, typer.Option(help="Tokens per rBlock (must match across the mesh).")]
+MetricsPort = Annotated[int, typer.Option(help="Serve Prometheus /metrics on this HTTP port (0 = off).")]
 
 
 def _size(text: str) -> int:
@@ -54,6 +55,7 @@ def serve_attention(
     block_size: BlockSize = 16,
     dtype: Annotated[str, typer.Option(help="KV dtype: float32 or bfloat16.")] = "float32",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    metrics_port: MetricsPort = 0,
 ) -> None:
     """Attention server: holds rBlocks in --kv-memory and computes partial attention over them."""
     from infinite_llm.models.registry import load_model_config, resolve_model
@@ -63,7 +65,7 @@ def serve_attention(
     config = AttentionServerConfig.for_model(
         load_model_config(resolve_model(model)), server_id=server_id, kv_memory_bytes=_size(kv_memory),
         dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype), block_size=block_size, host=host,
-        port=port, device=device, manager_address=manager, advertise_host=advertise_host,
+        port=port, device=device, manager_address=manager, advertise_host=advertise_host, metrics_port=metrics_port,
     )
     sys.exit(main(config))
 
@@ -97,6 +99,7 @@ def serve_manager(
                                                   rich_help_panel="Elastic attention pool")] = 120.0,
     autoscale_interval: Annotated[float, typer.Option(help="Seconds between two looks at the pool.",
                                                       rich_help_panel="Elastic attention pool")] = 5.0,
+    metrics_port: MetricsPort = 0,
 ) -> None:
     """Global manager: membership, capacity view and rBlock placement ledger in etcd."""
     from infinite_llm.services.manager.autoscale import AutoscaleSettings, ScalingConfig
@@ -109,7 +112,7 @@ def serve_manager(
                                    scale_down_after, scale_cooldown)
             autoscale = AutoscaleSettings(k8s_statefulset, k8s_namespace, policy, autoscale_interval)
         config = ManagerServerConfig(etcd=etcd, host=host, port=port, manager_id=manager_id, member_ttl_s=member_ttl,
-                                     autoscale=autoscale)
+                                     autoscale=autoscale, metrics_port=metrics_port)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     asyncio.run(serve(config))
@@ -126,13 +129,14 @@ def serve_compute(
     block_size: BlockSize = 16,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one step.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill).")] = 512,
+    metrics_port: MetricsPort = 0,
 ) -> None:
     """Compute instance: dense layers + scheduler; attention on the attention servers."""
     from infinite_llm.services.compute.server import ComputeConfig, serve
 
     config = ComputeConfig(manager_address=manager, host=host, port=port, instance_id=instance_id, model=model,
                            dtype=_dtype(dtype), block_size=block_size, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens)
+                           max_num_batched_tokens=max_num_batched_tokens, metrics_port=metrics_port)
     asyncio.run(serve(config))
 
 
@@ -142,11 +146,13 @@ def serve_router(
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
     model: Model = None,
+    metrics_port: MetricsPort = 0,
 ) -> None:
     """Router: the public gRPC API (Generate, GenerateStream, Abort, ListModels, Tokenize)."""
     from infinite_llm.services.router.server import RouterConfig, serve
 
-    asyncio.run(serve(RouterConfig(compute_addresses=tuple(compute), host=host, port=port, model=model)))
+    asyncio.run(serve(RouterConfig(compute_addresses=tuple(compute), host=host, port=port, model=model,
+                                   metrics_port=metrics_port)))
 
 
 @serve_app.command("gateway")
@@ -225,7 +231,15 @@ def status(
     render_status(cluster_state(manager), Console())
 
 
+def _bench():  # noqa: ANN202
+    """``infinite-llm bench``: its flags live with the load generator (``infinite_llm.bench.command``)."""
+    from infinite_llm.bench.command import bench
+
+    return bench
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(serve_app, name="serve")
     app.command("up")(up)
     app.command("status")(status)
+    app.command("bench")(_bench())

@@ -62,6 +62,7 @@ class Proc:
     address: str
     popen: subprocess.Popen
     log_path: Path
+    metrics_address: str | None = None  # HOST:PORT serving Prometheus /metrics
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -115,6 +116,8 @@ class LocalMesh:
                     "--manager", self.manager_address, "--block-size", str(c.block_size),
                     "--max-num-batched-tokens", str(c.max_num_batched_tokens),
                     "--max-num-seqs", str(c.max_num_seqs), *self._model_args()])
+            # The router connects to the compute instances at start: let them finish loading first.
+            self._wait_healthy(self.compute_instances())
             computes = [a for p in self.compute_instances() for a in ("--compute", p.address)]
             router = self._spawn("router", "router", c.router_port, [*computes, *self._model_args()])
             gateway = self._spawn("gateway", "gateway", c.gateway_port or free_port(),
@@ -142,6 +145,11 @@ class LocalMesh:
         cmd = [sys.executable, "-m", "infinite_llm.cli", "serve", role, "--host", HOST, "--port", str(port), *args]
         if role == "compute":
             cmd += ["--instance-id", name]
+        metrics_address = f"{HOST}:{port}"  # the gateway serves /metrics on its own HTTP port
+        if role != "gateway":
+            metrics_port = free_port()
+            cmd += ["--metrics-port", str(metrics_port)]
+            metrics_address = f"{HOST}:{metrics_port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if role != "compute" and "OMP_NUM_THREADS" not in os.environ:
             # One machine hosts the whole mesh: only the dense layers get every core; more torch threads than
@@ -149,7 +157,7 @@ class LocalMesh:
             env["OMP_NUM_THREADS"] = "1"
         with open(log_path, "wb") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path)
+        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address)
         self.procs.append(proc)
         return proc
 

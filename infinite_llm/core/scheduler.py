@@ -12,6 +12,7 @@ partitions and remote attention servers. Source: vLLM v1 ``Scheduler.schedule``,
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -53,6 +54,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
+    first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +157,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new

@@ -210,6 +210,8 @@ class LLMEngine:
             finished=finished,
             finish_reason=seq.finish_reason,
             num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
         )
 
     def _finish_output(self, req: _Request, text: str = "", drain: bool = True) -> RequestOutput:

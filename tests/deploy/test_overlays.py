@@ -22,7 +22,13 @@ def gpus(workload: dict) -> str | None:
 def test_dev_runs_one_replica_of_everything_with_small_kv(rendered):
     docs = rendered["dev"]
     assert {w["metadata"]["name"]: w["spec"].get("replicas") for w in workloads(docs)} == {
-        "etcd": 1, "manager": 1, "compute": 1, "router": 1, "gateway": 1, "attention": None}
+        "etcd": 1,
+        "manager": 1,
+        "compute": 1,
+        "router": 1,
+        "gateway": 1,
+        "attention": None,
+    }
     data = settings(docs)
     assert (data["ATTENTION_MIN_REPLICAS"], data["ATTENTION_MAX_REPLICAS"]) == ("1", "3")  # one server, can grow
     assert parse_size(data["ATTENTION_KV_MEMORY"]) == 64 << 20
@@ -42,7 +48,8 @@ def test_gpu_gives_compute_and_attention_a_gpu_each(rendered):
         w = one(docs, kind, name)
         assert gpus(w) == "1" and main_container(w)["resources"]["requests"]["nvidia.com/gpu"] == "1"
         assert w["spec"]["template"]["spec"]["tolerations"] == [
-            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
     for name in ("manager", "router", "gateway"):
         assert gpus(one(docs, "Deployment", name)) is None
     data = settings(docs)
@@ -69,8 +76,10 @@ def test_production_runs_a_three_member_etcd_that_finds_its_peers(rendered):
         name, url = entry.split("=", 1)
         members[name] = url
     # Each member's own advertised peer URL is its entry in the initial cluster.
-    assert members == {f"etcd-{i}": expand(env["ETCD_INITIAL_ADVERTISE_PEER_URLS"],
-                                           {"POD_NAME": f"etcd-{i}", "POD_NAMESPACE": NS}) for i in range(3)}
+    assert members == {
+        f"etcd-{i}": expand(env["ETCD_INITIAL_ADVERTISE_PEER_URLS"], {"POD_NAME": f"etcd-{i}", "POD_NAMESPACE": NS})
+        for i in range(3)
+    }
     assert members["etcd-1"] == f"http://etcd-1.etcd.{NS}.svc:2380"
     assert env["ETCD_NAME"] == "$(POD_NAME)"
     affinity = etcd["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
@@ -96,15 +105,19 @@ def test_production_budgets_keep_quorum_and_capacity_through_drains(rendered):
     data = settings(docs)
     assert int(data["ATTENTION_MIN_REPLICAS"]) >= 3
     assert one(docs, "StatefulSet", "etcd")["spec"]["volumeClaimTemplates"][0]["spec"]["resources"] == {
-        "requests": {"storage": "10Gi"}}
+        "requests": {"storage": "10Gi"}
+    }
 
 
 def test_every_overlay_deploys_into_a_restricted_namespace(rendered):
     for render, docs in rendered.items():
         ns = one(docs, "Namespace", NS)
         assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted", render
-        assert all(c["securityContext"]["allowPrivilegeEscalation"] is False
-                   for w in workloads(docs) for c in all_containers(w))
+        assert all(
+            c["securityContext"]["allowPrivilegeEscalation"] is False
+            for w in workloads(docs)
+            for c in all_containers(w)
+        )
 
 
 def arg_of(workload: dict, flag: str) -> str:

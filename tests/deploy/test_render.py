@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from .conftest import OVERLAYS, RENDERS, K8S, kustomize, path_kubectl, render_dir, wheel_kubectl
+from .conftest import K8S, OVERLAYS, RENDERS, kustomize, path_kubectl, render_dir, wheel_kubectl
 from .manifests import one
 
 K8S_VERSION = "1.32.0"
@@ -35,8 +35,12 @@ def test_kubernetes_validate_cli_passes_the_render_file(rendered, name, tmp_path
     """The command an operator would run, on the rendered file: no error, no warning, exit 0."""
     out = tmp_path / f"{name}.yaml"
     out.write_text(yaml.safe_dump_all(rendered[name], sort_keys=False))
-    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSION, "--quiet",
-                           str(out)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSION, "--quiet", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
 
 
@@ -52,14 +56,26 @@ def test_strict_validation_rejects_an_unknown_field(rendered):
 def test_render_has_the_whole_mesh(rendered, name):
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in rendered[name] if d["kind"] != "ConfigMap")
     expected = [
-        ("Deployment", "compute"), ("Deployment", "gateway"), ("Deployment", "manager"), ("Deployment", "router"),
+        ("Deployment", "compute"),
+        ("Deployment", "gateway"),
+        ("Deployment", "manager"),
+        ("Deployment", "router"),
         ("Namespace", "infinite-llm"),
-        ("NetworkPolicy", "attention"), ("NetworkPolicy", "etcd"), ("NetworkPolicy", "manager"),
-        ("Role", "manager-autoscaler"), ("RoleBinding", "manager-autoscaler"),
-        ("Service", "attention"), ("Service", "compute"), ("Service", "etcd"), ("Service", "etcd-client"),
-        ("Service", "gateway"), ("Service", "manager"), ("Service", "router"),
+        ("NetworkPolicy", "attention"),
+        ("NetworkPolicy", "etcd"),
+        ("NetworkPolicy", "manager"),
+        ("Role", "manager-autoscaler"),
+        ("RoleBinding", "manager-autoscaler"),
+        ("Service", "attention"),
+        ("Service", "compute"),
+        ("Service", "etcd"),
+        ("Service", "etcd-client"),
+        ("Service", "gateway"),
+        ("Service", "manager"),
+        ("Service", "router"),
         ("ServiceAccount", "manager"),
-        ("StatefulSet", "attention"), ("StatefulSet", "etcd"),
+        ("StatefulSet", "attention"),
+        ("StatefulSet", "etcd"),
     ]
     if name == "production":
         expected += [("PodDisruptionBudget", n) for n in ("attention", "compute", "etcd", "gateway", "router")]

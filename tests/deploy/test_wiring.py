@@ -38,10 +38,19 @@ def test_every_service_selects_pods_of_the_render_on_a_named_port(rendered, rend
 @pytest.mark.parametrize("render", RENDERS)
 def test_services_select_exactly_their_component(rendered, render):
     docs = rendered[render]
-    got = {s["metadata"]["name"]: names(selected(docs, {"matchLabels": s["spec"]["selector"]}, NS))
-           for s in by_kind(docs, "Service")}
-    assert got == {"etcd": ["etcd"], "etcd-client": ["etcd"], "manager": ["manager"], "attention": ["attention"],
-                   "compute": ["compute"], "router": ["router"], "gateway": ["gateway"]}
+    got = {
+        s["metadata"]["name"]: names(selected(docs, {"matchLabels": s["spec"]["selector"]}, NS))
+        for s in by_kind(docs, "Service")
+    }
+    assert got == {
+        "etcd": ["etcd"],
+        "etcd-client": ["etcd"],
+        "manager": ["manager"],
+        "attention": ["attention"],
+        "compute": ["compute"],
+        "router": ["router"],
+        "gateway": ["gateway"],
+    }
 
 
 @pytest.mark.parametrize("render", RENDERS)
@@ -60,7 +69,9 @@ def test_attention_servers_register_as_their_pod_at_its_stable_name(rendered, re
     c = main_container(sts)
     pod = {"POD_NAME": "attention-2", "POD_NAMESPACE": NS}  # what the downward API gives pod 2
     assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]} == {
-        "POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+        "POD_NAME": "metadata.name",
+        "POD_NAMESPACE": "metadata.namespace",
+    }
     server_id = expand(arg_value(c, "--server-id"), pod)
     assert server_id == "attention-2"
     assert expand(arg_value(c, "--advertise-host"), pod) == f"attention-2.{sts['spec']['serviceName']}.{NS}.svc"
@@ -78,8 +89,14 @@ def test_attention_servers_register_as_their_pod_at_its_stable_name(rendered, re
 def test_manager_role_grants_only_what_the_autoscaler_calls(rendered, render):
     docs = rendered[render]
     role = one(docs, "Role", "manager-autoscaler")
-    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
-                              "resourceNames": ["attention"], "verbs": ["get", "patch"]}]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["statefulsets/scale"],
+            "resourceNames": ["attention"],
+            "verbs": ["get", "patch"],
+        }
+    ]
     binding = one(docs, "RoleBinding", "manager-autoscaler")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "manager-autoscaler"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "manager", "namespace": NS}]
@@ -115,8 +132,10 @@ def test_network_policies_let_only_mesh_components_in(rendered, render):
         spec = policy["spec"]
         assert spec["policyTypes"] == ["Ingress"]
         target = names(selected(docs, spec["podSelector"], NS))
-        got[policy["metadata"]["name"]] = (target, [(sources(docs, r), [p["port"] for p in r["ports"]])
-                                                    for r in spec["ingress"]])
+        got[policy["metadata"]["name"]] = (
+            target,
+            [(sources(docs, r), [p["port"] for p in r["ports"]]) for r in spec["ingress"]],
+        )
     assert got == {
         "attention": (["attention"], [(["attention", "compute", "manager"], ["grpc"])]),
         "manager": (["manager"], [(["attention", "compute"], ["grpc"])]),
@@ -129,16 +148,28 @@ def test_shared_settings_are_values_the_services_accept(rendered, render):
     docs = rendered[render]
     sts = one(docs, "StatefulSet", "attention")
     data = config_data(docs, main_container(sts))
-    policy = ScalingConfig(int(data["ATTENTION_MIN_REPLICAS"]), int(data["ATTENTION_MAX_REPLICAS"]),
-                           float(data["SCALE_UP_BELOW"]), float(data["SCALE_DOWN_ABOVE"]),
-                           float(data["SCALE_UP_AFTER"]), float(data["SCALE_DOWN_AFTER"]),
-                           float(data["SCALE_COOLDOWN"]))
+    policy = ScalingConfig(
+        int(data["ATTENTION_MIN_REPLICAS"]),
+        int(data["ATTENTION_MAX_REPLICAS"]),
+        float(data["SCALE_UP_BELOW"]),
+        float(data["SCALE_DOWN_ABOVE"]),
+        float(data["SCALE_UP_AFTER"]),
+        float(data["SCALE_DOWN_AFTER"]),
+        float(data["SCALE_COOLDOWN"]),
+    )
     assert policy.min_replicas >= 1
     assert data["KV_DTYPE"] in KV_DTYPES and data["DTYPE"] in ("float32", "bfloat16")
     kv = parse_size(data["ATTENTION_KV_MEMORY"])
     # SmolLM2-135M (the default model): 30 layers, 3 KV heads, head_dim 64. The budget holds rBlocks of it.
-    config = AttentionServerConfig(server_id="attention-0", kv_memory_bytes=kv, num_layers=30, num_kv_heads=3,
-                                   head_dim=64, dtype=data["KV_DTYPE"], block_size=int(data["BLOCK_SIZE"]))
+    config = AttentionServerConfig(
+        server_id="attention-0",
+        kv_memory_bytes=kv,
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        dtype=data["KV_DTYPE"],
+        block_size=int(data["BLOCK_SIZE"]),
+    )
     assert kv // config.layout.bytes_per_block >= 16
     # Addresses name Services of the render, on their ports.
     for key in ("ETCD_ENDPOINT", "MANAGER_ADDRESS", "COMPUTE_ADDRESS", "ROUTER_ADDRESS"):
@@ -161,4 +192,3 @@ def test_attention_memory_fits_its_kv_budget(rendered, render):
     else:
         assert data["ATTENTION_DEVICE"] == "cuda" and limits["nvidia.com/gpu"] == "1"
         assert kv <= 40 * 10**9  # fits a 40 GB GPU
-

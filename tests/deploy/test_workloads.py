@@ -29,13 +29,27 @@ COMPONENTS = {
     "router": ("Deployment", "router", "router", "grpc", 50051, "grpc"),
     "gateway": ("Deployment", "gateway", "gateway", "http", 8000, "http"),
 }
-INSTANCE = {"dev": "infinite-llm-dev", "gpu": "infinite-llm-gpu", "production": "infinite-llm",
-            "gpu+attention-host-memory": "infinite-llm-gpu"}
-IMAGE = {"dev": "infinite-llm:dev", "gpu": "infinite-llm:0.1.0-cuda", "production": "infinite-llm:0.1.0",
-         "gpu+attention-host-memory": "infinite-llm:0.1.0-cuda"}
+INSTANCE = {
+    "dev": "infinite-llm-dev",
+    "gpu": "infinite-llm-gpu",
+    "production": "infinite-llm",
+    "gpu+attention-host-memory": "infinite-llm-gpu",
+}
+IMAGE = {
+    "dev": "infinite-llm:dev",
+    "gpu": "infinite-llm:0.1.0-cuda",
+    "production": "infinite-llm:0.1.0",
+    "gpu+attention-host-memory": "infinite-llm:0.1.0-cuda",
+}
 # Seconds a service takes to stop after SIGTERM: its own drain (gRPC grace, or uvicorn's for the gateway).
-DRAIN_S = {"manager": DEFAULT_GRACE_S, "attention-server": DEFAULT_GRACE_S, "compute": DEFAULT_GRACE_S,
-           "router": DEFAULT_GRACE_S, "gateway": SHUTDOWN_GRACE_S, "state-store": 0}
+DRAIN_S = {
+    "manager": DEFAULT_GRACE_S,
+    "attention-server": DEFAULT_GRACE_S,
+    "compute": DEFAULT_GRACE_S,
+    "router": DEFAULT_GRACE_S,
+    "gateway": SHUTDOWN_GRACE_S,
+    "state-store": 0,
+}
 
 
 def cases():
@@ -75,8 +89,10 @@ def test_probes_target_the_service_port(rendered, render, component):
     # Startup covers loading: it allows longer than liveness would before killing.
     startup, liveness = probes["startupProbe"], probes["livenessProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
-    assert startup["periodSeconds"] * startup["failureThreshold"] > liveness["periodSeconds"] * liveness[
-        "failureThreshold"]
+    assert (
+        startup["periodSeconds"] * startup["failureThreshold"]
+        > liveness["periodSeconds"] * liveness["failureThreshold"]
+    )
 
 
 @pytest.mark.parametrize("render,component", cases())
@@ -95,14 +111,20 @@ def test_every_container_requests_and_limits_resources(rendered, render, compone
 def test_standard_labels_on_workload_and_pods(rendered, render, component):
     w = workload_of(rendered, render, component)
     name = "etcd" if component == "state-store" else "infinite-llm"
-    expected = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": component,
-                "app.kubernetes.io/part-of": "infinite-llm", "app.kubernetes.io/managed-by": "kustomize",
-                "app.kubernetes.io/version": "0.1.0", "app.kubernetes.io/instance": INSTANCE[render]}
+    expected = {
+        "app.kubernetes.io/name": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "infinite-llm",
+        "app.kubernetes.io/managed-by": "kustomize",
+        "app.kubernetes.io/version": "0.1.0",
+        "app.kubernetes.io/instance": INSTANCE[render],
+    }
     assert w["metadata"]["labels"] == expected
     assert pod_labels(w) == expected
     # Selectors are immutable: only the labels that never change between releases.
-    assert w["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": name,
-                                                     "app.kubernetes.io/component": component}}
+    assert w["spec"]["selector"] == {
+        "matchLabels": {"app.kubernetes.io/name": name, "app.kubernetes.io/component": component}
+    }
 
 
 @pytest.mark.parametrize("render,component", cases())
@@ -115,8 +137,11 @@ def test_pods_run_as_non_root_without_privileges(rendered, render, component):
     assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
     assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
     for c in all_containers(w):
-        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                        "capabilities": {"drop": ["ALL"]}}, c["name"]
+        assert c["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }, c["name"]
     # Only the manager talks to the Kubernetes API.
     assert spec["automountServiceAccountToken"] is (component == "manager")
     assert spec.get("serviceAccountName") == ("manager" if component == "manager" else None)

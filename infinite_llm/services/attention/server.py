@@ -12,9 +12,12 @@ import signal
 from dataclasses import dataclass
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from infinite_llm.core.config import ModelConfig
 from infinite_llm.core.rmanager import KVLayout
+from infinite_llm.observability.metrics import AttentionMetrics, serve_metrics
+from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import attention_server_pb2, attention_server_pb2_grpc
 from infinite_llm.rpc import codec
 from infinite_llm.rpc.options import DEFAULT_GRACE_S
@@ -50,6 +53,7 @@ class AttentionServerConfig:
     device: str = "cpu"
     grace_s: float = DEFAULT_GRACE_S
     manager_address: str = ""  # host:port of the global manager; empty: do not register
+    metrics_port: int = 0  # Prometheus /metrics (0 = off)
     advertise_host: str = ""  # host others reach this server at (default: host)
 
     def __post_init__(self) -> None:
@@ -147,7 +151,11 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (tests): rely on ``stop``
+    setup_tracing("attention")
     server = await start(config)
+    registry = CollectorRegistry()
+    AttentionMetrics(registry, config.server_id, server.servicer.holder.stats)
+    serve_metrics(registry, config.metrics_port)
     registrar = None
     if config.manager_address:
         advertised = f"{config.advertise_host or config.host}:{server.port}"

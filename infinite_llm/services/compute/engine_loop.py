@@ -15,11 +15,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from infinite_llm.core.errors import InfiniteLLMError, Unavailable
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import LLMEngine, RequestOutput
+from infinite_llm.observability.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
+_TRACER = trace.get_tracer(__name__)
 MAX_RECOVERIES = 5  # consecutive failed steps before the requests fail with UNAVAILABLE
 RECOVERY_BACKOFF_S = 0.5  # times the attempt number: lets the dead server's lease lapse (seconds)
 Sink = Callable[[RequestOutput | Exception], None]
@@ -31,6 +36,7 @@ class _Submit:
     prompt: str | list[int]
     params: SamplingParams
     sink: Sink
+    trace_context: otel_context.Context  # the caller's span: engine steps serving it join its trace
 
 
 @dataclass(frozen=True)
@@ -41,8 +47,11 @@ class _Abort:
 class EngineLoop:
     """Runs ``engine.step()`` on a daemon thread while there is work; thread-safe ``submit``/``abort``."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
+        self._contexts: dict[str, otel_context.Context] = {}
+        self._last_token_at: dict[str, float] = {}
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -57,7 +66,7 @@ class EngineLoop:
         self._thread.join(timeout=30)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, sink: Sink) -> None:
-        self._commands.put(_Submit(request_id, prompt, params, sink))
+        self._commands.put(_Submit(request_id, prompt, params, sink, otel_context.get_current()))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -103,14 +112,18 @@ class EngineLoop:
                 cmd.sink(e)
                 return
             self._sinks[cmd.request_id] = cmd.sink
+            self._contexts[cmd.request_id] = cmd.trace_context
             return
         sink = self._sinks.pop(cmd.request_id, None)
         if sink is not None:
-            sink(self.engine.abort(cmd.request_id))
+            out = self.engine.abort(cmd.request_id)
+            self._observe(out)
+            sink(out)
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            with self._step_span():
+                outputs = self.engine.step()
         except Unavailable as e:
             self._recover(e)
             return
@@ -119,14 +132,47 @@ class EngineLoop:
             self._fail_all(e)
             return
         self._failures = 0
+        if self.metrics is not None:
+            self.metrics.sync_preemptions()
         for out in outputs:
             self.generated_tokens += len(out.new_token_ids)
+            self._observe(out)
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
             sink(out)
+
+    def _step_span(self):  # noqa: ANN202
+        """A span for one engine step, child of the oldest live request's trace, linked to the others."""
+        contexts = [self._contexts[r] for r in self._sinks if r in self._contexts]
+        if not contexts:
+            return _TRACER.start_as_current_span("engine.step")
+        links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in contexts[1:]]
+        return _TRACER.start_as_current_span("engine.step", context=contexts[0], links=links)
+
+    def _observe(self, out: RequestOutput) -> None:
+        """Latency and token metrics of one output (vLLM's definitions)."""
+        now = time.monotonic()
+        last = self._last_token_at.get(out.request_id)
+        if out.new_token_ids:
+            self._last_token_at[out.request_id] = now
+        if out.finished:
+            self._last_token_at.pop(out.request_id, None)
+            self._contexts.pop(out.request_id, None)
+        m = self.metrics
+        if m is None:
+            return
+        m.generation_tokens.inc(len(out.new_token_ids))
+        if out.new_token_ids:
+            (m.ttft if last is None else m.itl).observe(now - (out.arrival_time if last is None else last))
+        if out.finished:
+            m.e2e.observe(now - out.arrival_time)
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.success.labels(finished_reason=out.finish_reason or "abort").inc()
+            if out.first_scheduled_time is not None:
+                m.queue.observe(out.first_scheduled_time - out.arrival_time)
 
     def _recover(self, error: Unavailable) -> None:
         """An attention server became unreachable mid-step: its KV is gone. Recompute every running sequence
@@ -149,6 +195,8 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception) -> None:
         for rid, sink in list(self._sinks.items()):
+            self._contexts.pop(rid, None)
+            self._last_token_at.pop(rid, None)
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - freeing may fail for the same reason the step did

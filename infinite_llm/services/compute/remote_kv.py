@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -34,8 +35,11 @@ CAPACITY_REFRESH_S = 1.0  # how stale the cluster's capacity view may be before 
 class RemoteKV:
     """Block tables of this instance's sequences over the cluster's attention servers."""
 
-    def __init__(self, manager_address: str, block_size: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, manager_address: str, block_size: int, timeout_s: float = 30.0,
+                 on_rpc: Callable[[str, float], None] | None = None) -> None:
+        """``on_rpc(server_id, seconds)`` is told the duration of every AttendStep call (metrics)."""
         self.block_size = block_size
+        self._on_rpc = on_rpc
         self.timeout_s = timeout_s
         self._manager = mgrpc.GlobalManagerStub(sync_channel(manager_address))
         self._stubs: dict[str, agrpc.AttentionServerStub] = {}
@@ -143,7 +147,10 @@ class RemoteKV:
                 reply = fut.result()
             except grpc.RpcError as e:
                 raise error_from_rpc(e) from None
-            self.rpc_seconds[server] = self.rpc_seconds.get(server, 0.0) + time.perf_counter() - started
+            took = time.perf_counter() - started
+            self.rpc_seconds[server] = self.rpc_seconds.get(server, 0.0) + took
+            if self._on_rpc is not None:
+                self._on_rpc(server, took)
             for (_, rows), part in zip(items, reply.partials, strict=True):
                 idx = torch.tensor(rows, dtype=torch.int64)
                 outs[j, idx] = decode_tensor(part.partial_out, field="partial_out").to(q.dtype)

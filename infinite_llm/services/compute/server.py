@@ -9,11 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from infinite_llm.engine import EngineConfig, LLMEngine
+from infinite_llm.observability.metrics import EngineMetrics, serve_metrics
+from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import compute_instance_pb2, compute_instance_pb2_grpc
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.compute.engine_loop import EngineLoop
@@ -37,6 +41,7 @@ class ComputeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     rpc_timeout_s: float = 30.0
+    metrics_port: int = 0  # Prometheus /metrics (0 = off)
 
     def __post_init__(self) -> None:
         if not self.manager_address:
@@ -45,13 +50,15 @@ class ComputeConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
 
-def build_engine(config: ComputeConfig) -> tuple[LLMEngine, RemoteKV, str]:
+def build_engine(
+    config: ComputeConfig, on_rpc: Callable[[str, float], None] | None = None
+) -> tuple[LLMEngine, RemoteKV, str]:
     """Load the model and wire its attention to the cluster; returns (engine, kv backend, model name)."""
     from infinite_llm.models.registry import load_model_files, resolve_model
 
     resolved = resolve_model(config.model)
     model_config, state_dict, tokenizer = load_model_files(resolved, config.dtype)
-    kv = RemoteKV(config.manager_address, config.block_size, timeout_s=config.rpc_timeout_s)
+    kv = RemoteKV(config.manager_address, config.block_size, timeout_s=config.rpc_timeout_s, on_rpc=on_rpc)
     engine_config = EngineConfig(
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
@@ -64,8 +71,16 @@ def build_engine(config: ComputeConfig) -> tuple[LLMEngine, RemoteKV, str]:
 
 async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM, then drain gracefully."""
-    engine, kv, model_name = build_engine(config)
+    setup_tracing("compute")
+    registry = CollectorRegistry()
+    rpc_hist: list = []
+    engine, kv, model_name = build_engine(config, on_rpc=lambda s, t: rpc_hist[0].labels(server_id=s).observe(t))
     loop = EngineLoop(engine)
+    metrics = EngineMetrics(registry, lambda: loop.num_running, lambda: loop.num_waiting,
+                            lambda: engine.num_preemptions)
+    rpc_hist.append(metrics.attention_rpc)
+    loop.metrics = metrics
+    serve_metrics(registry, config.metrics_port)
     loop.start()
     servicer = ComputeInstanceServicer(loop, config.instance_id, model_name, kv=kv)
     service = Service.of(compute_instance_pb2, "ComputeInstance",

@@ -15,10 +15,12 @@ from contextlib import asynccontextmanager
 from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from infinite_llm.client.errors import Cancelled
 from infinite_llm.core.errors import InfiniteLLMError, Unavailable
+from infinite_llm.observability.metrics import LATENCY_BUCKETS
 from infinite_llm.services.gateway import handlers
 from infinite_llm.services.gateway.backend import RouterBackend
 from infinite_llm.services.gateway.errors import (
@@ -108,6 +110,28 @@ async def generate(request: Request, backend: RouterBackend, body: CompletionReq
     return EventStream(handlers.sse_stream(bodies), on_close=events.aclose)
 
 
+def install_metrics(app: FastAPI) -> None:
+    """``GET /metrics`` (Prometheus) and per-route request counts and latencies."""
+    registry = CollectorRegistry()
+    requests = Counter("infinite_llm:gateway_requests", "HTTP requests by route and status", ["route", "status"],
+                       registry=registry)
+    latency = Histogram("infinite_llm:gateway_request_seconds", "HTTP request time (streams: until headers)",
+                        ["route"], registry=registry, buckets=LATENCY_BUCKETS)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.url.path if request.url.path.startswith("/v1/") else "other"
+        requests.labels(route=route, status=str(response.status_code)).inc()
+        latency.labels(route=route).observe(time.perf_counter() - start)
+        return response
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
 def create_app(backend: RouterBackend, api_key: str | None = None) -> FastAPI:
     """The gateway over ``backend``; ``api_key`` (None: no check) guards every ``/v1`` route."""
 
@@ -118,6 +142,7 @@ def create_app(backend: RouterBackend, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="Infinite-LLM OpenAI-compatible gateway", lifespan=lifespan)
     install_error_handlers(app)
+    install_metrics(app)
     started = int(time.time())
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_key))])
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
 
@@ -56,7 +57,12 @@ def build_app(config: GatewayConfig) -> FastAPI:
 async def serve(config: GatewayConfig) -> None:
     import uvicorn
 
+    traced = setup_tracing("gateway")
     app = build_app(config)
+    if traced:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        FastAPIInstrumentor.instrument_app(app, excluded_urls="health,metrics")
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -7,6 +7,10 @@ import logging
 import signal
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
+from infinite_llm.observability.metrics import ManagerMetrics, serve_metrics
+from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, DrainGuard, KubernetesScaler
@@ -30,6 +34,7 @@ class ManagerServerConfig:
     member_ttl_s: int = 10
     leader_ttl_s: int = 10
     acquire_timeout_s: float = 60.0
+    metrics_port: int = 0  # Prometheus /metrics (0 = off)
     autoscale: AutoscaleSettings | None = None  # scale the attention StatefulSet (in a Kubernetes pod only)
 
     def __post_init__(self) -> None:
@@ -39,6 +44,7 @@ class ManagerServerConfig:
 
 
 async def serve(config: ManagerServerConfig) -> None:
+    setup_tracing("manager")
     scale = config.autoscale
     scaler = None if scale is None else KubernetesScaler.in_cluster(scale.statefulset, scale.namespace)  # fail fast
     host, _, port = config.etcd.rpartition(":")
@@ -50,7 +56,9 @@ async def serve(config: ManagerServerConfig) -> None:
     manager = GlobalManager(store, guard or servers, ManagerConfig(config.manager_id, config.member_ttl_s,
                                                                    config.leader_ttl_s))
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
-    servicer = GlobalManagerServicer(manager)
+    registry = CollectorRegistry()
+    servicer = GlobalManagerServicer(manager, ManagerMetrics(registry))
+    serve_metrics(registry, config.metrics_port)
     holder.append(servicer)
     service = Service.of(manager_pb2, "GlobalManager", manager_pb2_grpc.add_GlobalManagerServicer_to_server, servicer)
     server = await start_server([service], f"{config.host}:{config.port}")

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import grpc
+from prometheus_client import CollectorRegistry
 
+from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.observability.metrics import ManagerMetrics
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.services.manager.manager import GlobalManager
 
 
 class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
-    def __init__(self, manager: GlobalManager) -> None:
+    def __init__(self, manager: GlobalManager, metrics: ManagerMetrics | None = None) -> None:
         self.manager = manager
+        self.metrics = metrics or ManagerMetrics(CollectorRegistry())
 
     def address_of(self, server_id: str) -> str | None:
         for m in self.manager.members():
@@ -22,21 +26,31 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
     async def Register(self, request: mpb.RegisterRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         reg = await self.manager.register(request.server_id, request.address, request.capacity_blocks,
                                           request.block_size, request.kind or "attention")
+        self.metrics.view_capacity.labels(server_id=request.server_id).set(request.capacity_blocks)
         return mpb.RegisterResponse(lease_ttl_s=reg.ttl_s)
 
     async def Heartbeat(self, request: mpb.HeartbeatRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await self.manager.heartbeat(request.server_id, request.free_blocks, float(request.num_sequences))
+        self.metrics.view_free.labels(server_id=request.server_id).set(request.free_blocks)
         return mpb.HeartbeatResponse()
 
     async def Place(self, request: mpb.PlaceRequest, context: grpc.aio.ServicerContext) -> mpb.PlaceResponse:  # noqa: N802
-        grants = await self.manager.place(request.seq_id, request.num_blocks, request.near_server_id or None)
+        try:
+            grants = await self.manager.place(request.seq_id, request.num_blocks, request.near_server_id or None)
+        except CapacityExhausted:
+            self.metrics.placement_failures.inc()
+            raise
+        self.metrics.placements.inc()
+        self.metrics.placed_rblocks.inc(request.num_blocks)
         return mpb.PlaceResponse(grants=[
             mpb.BlockGrant(server_id=g.server_id, address=self.address_of(g.server_id) or "", block_ids=g.block_ids)
             for g in grants
         ])
 
     async def Release(self, request: mpb.ReleaseRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return mpb.ReleaseResponse(num_freed=await self.manager.release(request.seq_id))
+        freed = await self.manager.release(request.seq_id)
+        self.metrics.releases.inc()
+        return mpb.ReleaseResponse(num_freed=freed)
 
     async def GetClusterState(self, request, context) -> mpb.ClusterStateResponse:  # noqa: N802, ANN001
         state = await self.manager.cluster_state()

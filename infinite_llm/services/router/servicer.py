@@ -12,9 +12,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from infinite_llm.client.errors import error_from_rpc
-from infinite_llm.core.errors import InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, NotFound, Unavailable
+from infinite_llm.observability.metrics import RouterMetrics
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.pb.v1 import router_pb2 as rpb
@@ -33,7 +35,8 @@ class _Instance:
 
 
 class RouterServicer(rgrpc.RouterServicer):
-    def __init__(self, compute_addresses: list[str], model_name: str, max_model_len: int, tokenizer) -> None:  # noqa: ANN001
+    def __init__(self, compute_addresses: list[str], model_name: str, max_model_len: int, tokenizer,  # noqa: ANN001
+                 metrics: RouterMetrics | None = None) -> None:
         if not compute_addresses:
             raise ValueError("router needs at least one compute instance address")
         self.instances = [_Instance(a) for a in compute_addresses]
@@ -41,6 +44,7 @@ class RouterServicer(rgrpc.RouterServicer):
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self._owner: dict[str, _Instance] = {}
+        self.metrics = metrics or RouterMetrics(CollectorRegistry())
 
     # ---- generation ---------------------------------------------------------------------------------
     def _validate(self, request: gpb.GenerateRequest) -> gpb.GenerateRequest:
@@ -64,6 +68,21 @@ class RouterServicer(rgrpc.RouterServicer):
     async def _relay(
         self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gpb.GenerateResponse]:
+        status = "cancelled"
+        try:
+            async for msg in self._relay_once(request, context):
+                self.metrics.generation_tokens.inc(len(msg.token_ids))
+                yield msg
+            status = "ok"
+        except InfiniteLLMError as e:
+            status = e.grpc_code.lower()
+            raise
+        finally:
+            self.metrics.requests.labels(status=status).inc()
+
+    async def _relay_once(
+        self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gpb.GenerateResponse]:
         request = self._validate(request)
         remaining = context.time_remaining()
         timeout = DEFAULT_TIMEOUT_S if remaining is None else max(remaining, 0.001)
@@ -73,6 +92,7 @@ class RouterServicer(rgrpc.RouterServicer):
             tried.add(inst.address)
             call = inst.stub.Generate(request, timeout=timeout)
             inst.in_flight += 1
+            self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
             self._owner[request.request_id] = inst
             sent = False
             try:
@@ -87,6 +107,7 @@ class RouterServicer(rgrpc.RouterServicer):
             finally:
                 call.cancel()  # no-op when finished; frees the request downstream when the caller left
                 inst.in_flight -= 1
+                self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
                 self._owner.pop(request.request_id, None)
 
     async def GenerateStream(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802

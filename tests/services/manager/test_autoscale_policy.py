@@ -14,8 +14,15 @@ from infinite_llm.services.manager.autoscale import (
 )
 
 # Thresholds 10% / 60% free, 30 s of pressure to add, 300 s of surplus to drain, 120 s cool-down.
-CONFIG = ScalingConfig(min_replicas=1, max_replicas=4, scale_up_below=0.10, scale_down_above=0.60,
-                       scale_up_after_s=30, scale_down_after_s=300, cooldown_s=120)
+CONFIG = ScalingConfig(
+    min_replicas=1,
+    max_replicas=4,
+    scale_up_below=0.10,
+    scale_down_above=0.60,
+    scale_up_after_s=30,
+    scale_down_after_s=300,
+    cooldown_s=120,
+)
 
 
 def pool(*free: int, capacity: int = 100, held: dict[int, int] | None = None, replicas: int | None = None):
@@ -122,8 +129,7 @@ def test_drain_is_cancelled_when_pressure_returns():
 def test_scale_down_refused_when_the_rest_would_be_short():
     """75% free overall, but without server 2 only 30% would be: removing it would invite a scale-up."""
     policy = ScalingPolicy(CONFIG)
-    lopsided = PoolObservation(3, {0: ServerLoad(100, 30, 70), 1: ServerLoad(100, 30, 70),
-                                   2: ServerLoad(400, 400, 0)})
+    lopsided = PoolObservation(3, {0: ServerLoad(100, 30, 70), 1: ServerLoad(100, 30, 70), 2: ServerLoad(400, 400, 0)})
     decisions = run(policy, [lopsided] * 70)
     assert actions(decisions) == []
     assert decisions[-1].reason == "without server 2 the pool would have 30% free"
@@ -181,14 +187,17 @@ def test_no_capacity_reported_is_not_pressure():
     assert actions(decisions) == [] and decisions[-1].reason == "free fraction unknown"
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"min_replicas": 0}, "min_replicas must be >= 1, got 0"),
-    ({"min_replicas": 3, "max_replicas": 2}, "max_replicas (2) must be >= min_replicas (3)"),
-    ({"scale_up_below": 0.6, "scale_down_above": 0.6}, "0 <= scale_up_below < scale_down_above <= 1"),
-    ({"scale_down_above": 1.5}, "scale_down_above=1.5"),
-    ({"cooldown_s": -1}, "cooldown_s must be a finite number of seconds >= 0, got -1"),
-    ({"scale_up_after_s": float("nan")}, "scale_up_after_s must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"min_replicas": 0}, "min_replicas must be >= 1, got 0"),
+        ({"min_replicas": 3, "max_replicas": 2}, "max_replicas (2) must be >= min_replicas (3)"),
+        ({"scale_up_below": 0.6, "scale_down_above": 0.6}, "0 <= scale_up_below < scale_down_above <= 1"),
+        ({"scale_down_above": 1.5}, "scale_down_above=1.5"),
+        ({"cooldown_s": -1}, "cooldown_s must be a finite number of seconds >= 0, got -1"),
+        ({"scale_up_after_s": float("nan")}, "scale_up_after_s must be a finite number"),
+    ],
+)
 def test_bad_config_is_refused_with_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ScalingConfig(**kwargs)

@@ -77,7 +77,9 @@ def observe(state: ClusterState, replicas: int, statefulset: str, in_flight: Cal
     return PoolObservation(replicas, servers)
 
 
-def draining_servers(statefulset: str, draining: int | None, replicas: int, member_ids: Iterable[str]) -> frozenset[str]:
+def draining_servers(
+    statefulset: str, draining: int | None, replicas: int, member_ids: Iterable[str]
+) -> frozenset[str]:
     """Servers placement must avoid: the one being drained, and members whose pods are being removed."""
     out = {f"{statefulset}-{draining}"} if draining is not None else set()
     for sid in member_ids:
@@ -90,8 +92,14 @@ def draining_servers(statefulset: str, draining: int | None, replicas: int, memb
 class Autoscaler:
     """Runs the policy against one StatefulSet for one manager. ``clock``: monotonic seconds."""
 
-    def __init__(self, manager: GlobalManager, guard: DrainGuard, scaler: StatefulSetScaler,
-                 settings: AutoscaleSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        manager: GlobalManager,
+        guard: DrainGuard,
+        scaler: StatefulSetScaler,
+        settings: AutoscaleSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.manager, self.guard, self.scaler, self.settings = manager, guard, scaler, settings
         self.policy = ScalingPolicy(settings.policy)
         self._clock = clock
@@ -115,7 +123,8 @@ class Autoscaler:
         self.policy.commit(decision, now)
         members = [m.info.server_id for m in state.members]
         self.guard.set_draining(
-            draining_servers(self.settings.statefulset, self.policy.draining, decision.replicas, members))
+            draining_servers(self.settings.statefulset, self.policy.draining, decision.replicas, members)
+        )
         self._log(decision)
         return decision
 

@@ -62,8 +62,13 @@ class KubernetesScaler:
         """Set ``spec.replicas`` (a merge patch of the scale subresource)."""
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
-        self._call(self._api.patch_namespaced_stateful_set_scale, self.name, self.namespace,
-                   {"spec": {"replicas": replicas}}, _content_type=MERGE_PATCH)
+        self._call(
+            self._api.patch_namespaced_stateful_set_scale,
+            self.name,
+            self.namespace,
+            {"spec": {"replicas": replicas}},
+            _content_type=MERGE_PATCH,
+        )
 
     def _call(self, method, *args, **kwargs):  # noqa: ANN001, ANN202
         from kubernetes.client.exceptions import OpenApiException
