@@ -142,6 +142,19 @@ def fetch_model() -> None:
     err.print(f"default model ready: {path}")
 
 
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    config: Annotated[str | None, typer.Option(
+        envvar="INFINITE_LLM_CONFIG", help="YAML file of option values per command (flags and env win).")] = None,
+) -> None:
+    """Infinite-LLM: long-context LLM serving. Options also come from INFINITE_LLM_* variables."""
+    if config:
+        from infinite_llm.config_file import load_config
+
+        ctx.default_map = load_config(config, ctx.command)
+
+
 from infinite_llm.cli_mesh import register as _register_mesh_commands  # noqa: E402
 
 _register_mesh_commands(app)
@@ -152,7 +165,7 @@ def main() -> None:
 
     setup_logging()
     try:
-        app()
+        app(auto_envvar_prefix="INFINITE_LLM")
     except InfiniteLLMError as e:
         err.print(f"[red]error:[/red] {e.message}")
         sys.exit(2)

@@ -67,8 +67,8 @@ async def serve(config: ManagerServerConfig) -> None:
     if scale is not None:
         autoscaler = Autoscaler(manager, guard, scaler, scale)
         autoscaler.start()
-        log.info("scaling StatefulSet %s/%s between %d and %d attention servers", scaler.namespace,
-                 scale.statefulset, scale.policy.min_replicas, scale.policy.max_replicas)
+        log.info("scaling StatefulSet %s between %d and %d attention servers", scale.statefulset,
+                 scale.policy.min_replicas, scale.policy.max_replicas)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -344,3 +344,70 @@ def test_serve_manager_outside_kubernetes_fails_fast_with_a_clear_message(monkey
     config = ManagerServerConfig(etcd="127.0.0.1:1", autoscale=AutoscaleSettings("attention"))
     with pytest.raises(Unavailable, match="scaling StatefulSet 'attention' needs the in-cluster Kubernetes config"):
         asyncio.run(serve(config))  # before connecting to etcd (nothing listens on port 1)
+
+
+def test_serve_manager_scales_the_statefulset_when_its_pool_fills(etcd_server, etcd_prefix, monkeypatch):
+    """The process path: ``serve()`` with autoscaling, a real attention server registering over gRPC, a
+    placement through the GlobalManager service that fills it, the StatefulSet patched, SIGTERM stops all."""
+    import os
+    import signal
+
+    from infinite_llm.pb.v1 import manager_pb2 as mpb
+    from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+    from infinite_llm.rpc.channels import aio_channel
+    from infinite_llm.services.attention.registrar import Registrar
+    from infinite_llm.services.attention.server import AttentionServerConfig, start
+    from infinite_llm.services.manager.autoscale import KubernetesScaler
+    from infinite_llm.services.manager.server import ManagerServerConfig, serve
+    from infinite_llm.state.etcd_launcher import free_port
+
+    sts = FakeStatefulSet(1)
+    monkeypatch.setattr(KubernetesScaler, "in_cluster", classmethod(lambda cls, name, namespace="": sts))
+    port = free_port()
+    policy = ScalingConfig(min_replicas=1, max_replicas=3, scale_up_after_s=0, scale_down_after_s=600, cooldown_s=600)
+    config = ManagerServerConfig(
+        etcd=f"{etcd_server.host}:{etcd_server.client_port}",
+        port=port,
+        prefix=etcd_prefix,
+        member_ttl_s=3,
+        autoscale=AutoscaleSettings("attention", "llm", policy, interval_s=0.1),
+    )
+
+    async def scenario():
+        manager = asyncio.create_task(serve(config))
+        server = await start(
+            AttentionServerConfig(
+                server_id="attention-0",
+                kv_memory_bytes=8 * LAYOUT.bytes_per_block,
+                num_layers=LAYOUT.num_layers,
+                num_kv_heads=LAYOUT.num_kv_heads,
+                head_dim=LAYOUT.head_dim,
+                block_size=LAYOUT.block_size,
+            )
+        )
+        registrar = Registrar(
+            f"127.0.0.1:{port}", "attention-0", server.address, LAYOUT.block_size, server.servicer.holder.stats
+        )
+        registrar.start()
+        try:
+            await asyncio.wait_for(registrar.registered.wait(), 30)
+            stub = mgrpc.GlobalManagerStub(aio_channel(f"127.0.0.1:{port}"))
+            reply = await stub.Place(mpb.PlaceRequest(seq_id="long", num_blocks=8))
+            assert [(g.server_id, list(g.block_ids)) for g in reply.grants] == [("attention-0", list(range(8)))]
+            for _ in range(100):
+                if sts.patches:
+                    break
+                await asyncio.sleep(0.05)
+            assert sts.patches == [2]
+        finally:
+            await registrar.stop()
+            await server.stop(0)
+            if sts.patches and not manager.done():
+                # The autoscaler ticked, so serve() had installed its handler: a graceful stop of all.
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif not manager.done():  # the test failed early: no signal to a process without the handler
+                manager.cancel()
+            await asyncio.wait_for(manager, 30)
+        assert sts.patches == [2]
+
+    asyncio.run(scenario())

@@ -7,11 +7,13 @@ service-account token). Calls block: the controller runs them in a worker thread
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Protocol
 
 from infinite_llm.core.errors import Unavailable
 
+log = logging.getLogger(__name__)
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # The generated client would send a dict body as application/json-patch+json (the first JSON type the
 # API lists), which the API server rejects for a non-list body: name the merge patch explicitly.
@@ -51,6 +53,7 @@ class KubernetesScaler:
                 f"scaling StatefulSet {name!r} needs the in-cluster Kubernetes config of a pod with a "
                 f"service account: {e}"
             ) from None
+        log.info("Kubernetes API in cluster; StatefulSet %s in namespace %s", name, namespace)
         return cls(name, namespace, client.AppsV1Api())
 
     def get_replicas(self) -> int:
