@@ -65,8 +65,9 @@ def main() -> None:
     a = ap.parse_args()
     cfg, state_dict, tokenizer = load_model_files(resolve_model(None), torch.float32)
     engine = LLMEngine.from_weights(cfg, state_dict, tokenizer, EngineConfig(num_partitions=3))
-    mesh = LocalMesh(MeshConfig(attention_servers=3, compute_instances=1, kv_memory_bytes=256 << 20,
-                                router_port=free_port()))
+    mesh = LocalMesh(
+        MeshConfig(attention_servers=3, compute_instances=1, kv_memory_bytes=256 << 20, router_port=free_port())
+    )
     rows = []
     with mesh, Client(mesh.router_address) as client:
         compute = mesh.compute_instances()[0].address
@@ -79,15 +80,21 @@ def main() -> None:
             calls = after.layer_rpc_count - before.layer_rpc_count
             per_layer = 1e3 * (after.layer_rpc_seconds - before.layer_rpc_seconds) / max(calls, 1)
             rows.append((batch, local, remote, per_layer))
-    print(f"model {resolve_model(None).name}, fp32, {cfg.num_hidden_layers} layers, {a.new_tokens} new tokens; "
-          f"mesh: 1 compute + 3 attention servers on loopback; local: 3 partitions in one process")
-    print(f"{'batch':>5s} {'local ms/step':>14s} {'mesh ms/step':>13s} {'mesh/local':>11s} "
-          f"{'RPC ms/layer':>13s} {'RPC share':>10s}")
+    print(
+        f"model {resolve_model(None).name}, fp32, {cfg.num_hidden_layers} layers, {a.new_tokens} new tokens; "
+        f"mesh: 1 compute + 3 attention servers on loopback; local: 3 partitions in one process"
+    )
+    print(
+        f"{'batch':>5s} {'local ms/step':>14s} {'mesh ms/step':>13s} {'mesh/local':>11s} "
+        f"{'RPC ms/layer':>13s} {'RPC share':>10s}"
+    )
     for batch, local, remote, per_layer in rows:
         share = per_layer * cfg.num_hidden_layers / remote
         print(f"{batch:5d} {local:14.1f} {remote:13.1f} {remote / local:11.2f} {per_layer:13.2f} {share:10.0%}")
-    print("RPC ms/layer: wall time of one layer's fan-out to every attention server of the batch (all steps, "
-          "prefill included); RPC share: 30 of them over a decode step.")
+    print(
+        "RPC ms/layer: wall time of one layer's fan-out to every attention server of the batch (all steps, "
+        "prefill included); RPC share: 30 of them over a decode step."
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ from rich.console import Console
 from infinite_llm.core.errors import InfiniteLLMError
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
     help="Infinite-LLM: long-context LLM serving.",
 )
 err = Console(stderr=True)
@@ -101,7 +103,9 @@ def generate(
     logging.getLogger("infinite_llm").info("%d tokens in %.2f s (%.1f tokens/s)", n, elapsed, n / max(elapsed, 1e-9))
 
 
-def _generate_via_router(router: str, text: str, chat: bool, model: str | None, max_tokens: int, sampling: dict) -> None:
+def _generate_via_router(
+    router: str, text: str, chat: bool, model: str | None, max_tokens: int, sampling: dict
+) -> None:
     """Stream through the router; a chat prompt is templated and tokenized here, as the local path does."""
     from infinite_llm.client import Client
 
@@ -125,7 +129,12 @@ def _generate_via_router(router: str, text: str, chat: bool, model: str | None, 
         spread = ", ".join(f"{s}: {b}" for s, b in sorted(last.placement.items()))
         logging.getLogger("infinite_llm").info(
             "%d tokens in %.2f s (%.1f tokens/s); prompt %d tokens; rBlocks per server: %s",
-            n, elapsed, n / max(elapsed, 1e-9), last.prompt_tokens, spread or "none")
+            n,
+            elapsed,
+            n / max(elapsed, 1e-9),
+            last.prompt_tokens,
+            spread or "none",
+        )
 
 
 def _encode(engine, text: str, chat: bool) -> list[int]:  # noqa: ANN001
@@ -145,8 +154,10 @@ def fetch_model() -> None:
 @app.callback()
 def _root(
     ctx: typer.Context,
-    config: Annotated[str | None, typer.Option(
-        envvar="INFINITE_LLM_CONFIG", help="YAML file of option values per command (flags and env win).")] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(envvar="INFINITE_LLM_CONFIG", help="YAML file of option values per command (flags and env win)."),
+    ] = None,
 ) -> None:
     """Infinite-LLM: long-context LLM serving. Options also come from INFINITE_LLM_* variables."""
     if config:

@@ -35,8 +35,9 @@ def build_prompt(tokenizer, doc: str, question: str) -> list[int]:  # noqa: ANN0
 
 def per_server_memory(model_config, prompt_tokens: int, max_tokens: int, servers: int, block_size: int) -> int:  # noqa: ANN001
     """Bytes per attention server: each holds ~45% of the job's KV, so no one server can hold it all."""
-    layout = KVLayout(model_config.num_hidden_layers, block_size, model_config.num_key_value_heads,
-                      model_config.head_dim)
+    layout = KVLayout(
+        model_config.num_hidden_layers, block_size, model_config.num_key_value_heads, model_config.head_dim
+    )
     blocks = -(-(prompt_tokens + max_tokens) // block_size)
     per_server = max(-(-blocks * 45 // 100), -(-blocks // servers) + 2)
     return per_server * layout.bytes_per_block
@@ -55,10 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(resolved, model_config)
     ids = build_prompt(tokenizer, a.doc, a.question)
     kv_memory = per_server_memory(model_config, len(ids), a.max_tokens, a.attention_servers, a.block_size)
-    job_kv = len(ids) * KVLayout(model_config.num_hidden_layers, 1, model_config.num_key_value_heads,
-                                 model_config.head_dim).bytes_per_block
-    err.print(f"document {a.doc}: {len(ids)} prompt tokens, {job_kv / 2**20:.1f} MiB of KV; "
-              f"{a.attention_servers} attention servers with {kv_memory / 2**20:.1f} MiB each")
+    job_kv = (
+        len(ids)
+        * KVLayout(
+            model_config.num_hidden_layers, 1, model_config.num_key_value_heads, model_config.head_dim
+        ).bytes_per_block
+    )
+    err.print(
+        f"document {a.doc}: {len(ids)} prompt tokens, {job_kv / 2**20:.1f} MiB of KV; "
+        f"{a.attention_servers} attention servers with {kv_memory / 2**20:.1f} MiB each"
+    )
     config = MeshConfig(attention_servers=a.attention_servers, kv_memory_bytes=kv_memory, block_size=a.block_size)
     with err.status("starting the mesh (etcd, manager, attention servers, compute, router)...", spinner="dots"):
         mesh = LocalMesh(config).start()
@@ -90,9 +97,11 @@ def ask(mesh: LocalMesh, ids: list[int], a: argparse.Namespace, prompt_tokens: i
         table.add_row(server, str(n), str(n * a.block_size))
     out.print(table)
     n = last.completion_tokens
-    out.print(f"prompt {prompt_tokens} tokens, prefill (time to first token) {first - start:.2f} s; "
-              f"{n} new tokens in {end - first:.2f} s after the first: "
-              f"{(n - 1) / max(end - first, 1e-9):.1f} tokens/s (finish: {last.finish_reason})")
+    out.print(
+        f"prompt {prompt_tokens} tokens, prefill (time to first token) {first - start:.2f} s; "
+        f"{n} new tokens in {end - first:.2f} s after the first: "
+        f"{(n - 1) / max(end - first, 1e-9):.1f} tokens/s (finish: {last.finish_reason})"
+    )
     return 0
 
 

@@ -106,22 +106,39 @@ class LocalMesh:
         try:
             self.etcd = start_etcd(data_dir=self.log_dir / "etcd")
             manager_port = c.manager_port or free_port()
-            self._spawn("manager", "manager-0", manager_port, ["--etcd", f"{self.etcd.host}:{self.etcd.client_port}",
-                                                               "--member-ttl", str(c.member_ttl_s)])
+            self._spawn(
+                "manager",
+                "manager-0",
+                manager_port,
+                ["--etcd", f"{self.etcd.host}:{self.etcd.client_port}", "--member-ttl", str(c.member_ttl_s)],
+            )
             self._wait_healthy(self._by_role("manager"))
             for i in range(c.attention_servers):
                 self.spawn_attention(f"attn-{i}")
             for i in range(c.compute_instances):
-                self._spawn("compute", f"compute-{i}", free_port(), [
-                    "--manager", self.manager_address, "--block-size", str(c.block_size),
-                    "--max-num-batched-tokens", str(c.max_num_batched_tokens),
-                    "--max-num-seqs", str(c.max_num_seqs), *self._model_args()])
+                self._spawn(
+                    "compute",
+                    f"compute-{i}",
+                    free_port(),
+                    [
+                        "--manager",
+                        self.manager_address,
+                        "--block-size",
+                        str(c.block_size),
+                        "--max-num-batched-tokens",
+                        str(c.max_num_batched_tokens),
+                        "--max-num-seqs",
+                        str(c.max_num_seqs),
+                        *self._model_args(),
+                    ],
+                )
             # The router connects to the compute instances at start: let them finish loading first.
             self._wait_healthy(self.compute_instances())
             computes = [a for p in self.compute_instances() for a in ("--compute", p.address)]
             router = self._spawn("router", "router", c.router_port, [*computes, *self._model_args()])
-            gateway = self._spawn("gateway", "gateway", c.gateway_port or free_port(),
-                                  ["--router", router.address, *self._model_args()])
+            gateway = self._spawn(
+                "gateway", "gateway", c.gateway_port or free_port(), ["--router", router.address, *self._model_args()]
+            )
             self._wait_healthy([p for p in self.procs if p is not gateway])
             self._wait_healthy([gateway], check=http_health_check)
             self.wait_registered(c.attention_servers)
@@ -133,9 +150,22 @@ class LocalMesh:
     def spawn_attention(self, name: str) -> Proc:
         """Start one more attention server (also used by tests that add or kill servers)."""
         c = self.config
-        return self._spawn("attention", name, free_port(), [
-            "--server-id", name, "--kv-memory", str(c.kv_memory_bytes), "--block-size", str(c.block_size),
-            "--manager", self.manager_address, *self._model_args()])
+        return self._spawn(
+            "attention",
+            name,
+            free_port(),
+            [
+                "--server-id",
+                name,
+                "--kv-memory",
+                str(c.kv_memory_bytes),
+                "--block-size",
+                str(c.block_size),
+                "--manager",
+                self.manager_address,
+                *self._model_args(),
+            ],
+        )
 
     def _model_args(self) -> list[str]:
         return ["--model", self.config.model] if self.config.model else []
@@ -170,8 +200,9 @@ class LocalMesh:
                 if not p.alive():
                     raise Unavailable(f"{p.name} exited during startup:\n{tail(p.log_path)}")
                 if time.monotonic() > deadline:
-                    raise Unavailable(f"{p.name} not healthy after {self.config.startup_timeout_s:.0f} s:\n"
-                                      f"{tail(p.log_path)}")
+                    raise Unavailable(
+                        f"{p.name} not healthy after {self.config.startup_timeout_s:.0f} s:\n{tail(p.log_path)}"
+                    )
                 time.sleep(0.2)
 
     def wait_registered(self, n: int, timeout_s: float = 30.0) -> None:

@@ -20,8 +20,9 @@ def _status(tmp_path, yaml_text: str | None, env: dict[str, str], *flags: str) -
         path = tmp_path / "c.yaml"
         path.write_text(yaml_text)
         args += ["--config", str(path)]
-    proc = subprocess.run([*args, "status", *flags], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+    proc = subprocess.run(
+        [*args, "status", *flags], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
     assert proc.returncode == 2, proc.stderr
     return proc.stderr
 

@@ -9,8 +9,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generated_code_is_not_stale(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "protos/generate.py"), "--out", str(tmp_path)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "protos/generate.py"), "--out", str(tmp_path)], check=True, capture_output=True
+    )
     fresh = sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".py", ".pyi"))
     committed = sorted(p.name for p in (ROOT / "infinite_llm/pb/v1").iterdir() if p.suffix in (".py", ".pyi"))
     assert fresh == committed

@@ -54,8 +54,9 @@ def _chunk(msg: gpb.GenerateResponse) -> CompletionChunk:
 
 
 def _request(prompt: str | list[int], request_id: str | None, model: str | None, **sampling) -> gpb.GenerateRequest:
-    req = gpb.GenerateRequest(request_id=request_id or f"cmpl-{uuid.uuid4().hex}", model=model or "",
-                              sampling=sampling_to_proto(**sampling))
+    req = gpb.GenerateRequest(
+        request_id=request_id or f"cmpl-{uuid.uuid4().hex}", model=model or "", sampling=sampling_to_proto(**sampling)
+    )
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -79,19 +80,39 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
-    def generate(self, prompt: str | list[int], *, max_tokens: int = 16, timeout: float = DEFAULT_TIMEOUT_S,
-                 request_id: str | None = None, model: str | None = None, **sampling) -> Completion:
+    def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int = 16,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        request_id: str | None = None,
+        model: str | None = None,
+        **sampling,
+    ) -> Completion:
         try:
-            return _chunk(self._stub.Generate(_request(prompt, request_id, model, max_tokens=max_tokens, **sampling),
-                                              timeout=timeout))
+            return _chunk(
+                self._stub.Generate(
+                    _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=timeout
+                )
+            )
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
-    def stream(self, prompt: str | list[int], *, max_tokens: int = 16, timeout: float = DEFAULT_TIMEOUT_S,
-               request_id: str | None = None, model: str | None = None, **sampling) -> Iterator[CompletionChunk]:
+    def stream(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int = 16,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        request_id: str | None = None,
+        model: str | None = None,
+        **sampling,
+    ) -> Iterator[CompletionChunk]:
         """Yield chunks as they come; closing the iterator early cancels the request (its rBlocks are freed)."""
-        call = self._stub.GenerateStream(_request(prompt, request_id, model, max_tokens=max_tokens, **sampling),
-                                         timeout=timeout)
+        call = self._stub.GenerateStream(
+            _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=timeout
+        )
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -136,19 +157,35 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def generate(self, prompt: str | list[int], *, max_tokens: int = 16, timeout: float = DEFAULT_TIMEOUT_S,
-                       request_id: str | None = None, model: str | None = None, **sampling) -> Completion:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int = 16,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        request_id: str | None = None,
+        model: str | None = None,
+        **sampling,
+    ) -> Completion:
         try:
             req = _request(prompt, request_id, model, max_tokens=max_tokens, **sampling)
             return _chunk(await self._stub.Generate(req, timeout=timeout))
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
-    async def stream(self, prompt: str | list[int], *, max_tokens: int = 16, timeout: float = DEFAULT_TIMEOUT_S,
-                     request_id: str | None = None, model: str | None = None,
-                     **sampling) -> AsyncIterator[CompletionChunk]:
-        call = self._stub.GenerateStream(_request(prompt, request_id, model, max_tokens=max_tokens, **sampling),
-                                         timeout=timeout)
+    async def stream(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int = 16,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        request_id: str | None = None,
+        model: str | None = None,
+        **sampling,
+    ) -> AsyncIterator[CompletionChunk]:
+        call = self._stub.GenerateStream(
+            _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=timeout
+        )
         try:
             async for msg in call:
                 yield _chunk(msg)

@@ -32,9 +32,7 @@ def check_device(kernel: object, tensors: dict[str, torch.Tensor]) -> None:
         if tensors[name].device != device:
             raise InvalidRequest(f"{name} is on {tensors[name].device}, {names[0]} on {device}")
     if device.type != "cuda" and not interpreting(kernel):
-        raise InvalidRequest(
-            f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 for CPU"
-        )
+        raise InvalidRequest(f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 for CPU")
 
 
 def check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

@@ -123,9 +123,7 @@ def _paged_attention_kernel(
             slot0, slot_hi, context_len, kv_head, head_dim,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_SIZE, BLOCK_D,
         )  # fmt: skip
-        m, denom, acc = _online_softmax_step(
-            q, k, v, key_pos, key_ok, query_pos, qk_scale, m, denom, acc, UPCAST
-        )
+        m, denom, acc = _online_softmax_step(q, k, v, key_pos, key_ok, query_pos, qk_scale, m, denom, acc, UPCAST)
     seen = denom > 0  # denom == 0 iff the row saw no key: out 0, lse -inf
     denom = tl.where(seen, denom, 1.0)
     out = acc / denom[:, None]

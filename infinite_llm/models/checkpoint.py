@@ -18,8 +18,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     q_out = cfg.num_attention_heads * cfg.head_dim
     kv_out = cfg.num_key_value_heads * cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hidden),
-                                          "model.norm.weight": (hidden,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
     for i in range(cfg.num_hidden_layers):

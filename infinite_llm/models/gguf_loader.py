@@ -40,9 +40,7 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load config and all tensors of a llama-arch GGUF file (~4 s for SmolLM2-135M on 2 cores).
 
     Returns HF names -> ``dtype`` tensors in HF orientation and rotary layout; ``lm_head.weight`` is absent
@@ -83,8 +81,10 @@ def hf_name(gguf_name: str) -> str:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in _BLOCK_NAMES:
-        raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no Llama counterpart (rope_freqs = Llama-3.1 "
-                               "RoPE scaling, not supported from GGUF; load the HF checkpoint instead)")
+        raise UnsupportedModel(
+            f"GGUF tensor {gguf_name!r} has no Llama counterpart (rope_freqs = Llama-3.1 "
+            "RoPE scaling, not supported from GGUF; load the HF checkpoint instead)"
+        )
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
 

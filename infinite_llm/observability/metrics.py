@@ -32,30 +32,47 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0")
 class EngineMetrics:
     """Compute instance: request latencies, token counts, queue sizes, preemptions, remote attention RPCs."""
 
-    def __init__(self, registry: CollectorRegistry, running: Callable[[], int], waiting: Callable[[], int],
-                 preemptions: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        preemptions: Callable[[], int],
+    ) -> None:
         self.registry = registry
         Gauge(P + "num_requests_running", "Sequences in the running batch", registry=registry).set_function(running)
-        Gauge(P + "num_requests_waiting", "Sequences waiting to be scheduled", registry=registry).set_function(
-            waiting)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token", registry=registry,
-                              buckets=LATENCY_BUCKETS)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between tokens of a request",
-                             registry=registry, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish", registry=registry,
-                             buckets=LATENCY_BUCKETS)
-        self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduled step",
-                               registry=registry, buckets=LATENCY_BUCKETS)
+        Gauge(P + "num_requests_waiting", "Sequences waiting to be scheduled", registry=registry).set_function(waiting)
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds", "Arrival to first token", registry=registry, buckets=LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds",
+            "Time between tokens of a request",
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds", "Arrival to finish", registry=registry, buckets=LATENCY_BUCKETS
+        )
+        self.queue = Histogram(
+            P + "request_queue_time_seconds",
+            "Arrival to first scheduled step",
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        )
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=registry)
         self.success = Counter(P + "request_success", "Finished requests", ["finished_reason"], registry=registry)
         self._preemptions = preemptions
-        self.preemptions = Counter(P + "num_preemptions", "Sequences preempted (recomputed later)",
-                                   registry=registry)
+        self.preemptions = Counter(P + "num_preemptions", "Sequences preempted (recomputed later)", registry=registry)
         self._seen_preemptions = 0
-        self.attention_rpc = Histogram(P + "attention_rpc_latency_seconds",
-                                       "One AttendStep call (one layer of one step) per attention server",
-                                       ["server_id"], registry=registry, buckets=LATENCY_BUCKETS)
+        self.attention_rpc = Histogram(
+            P + "attention_rpc_latency_seconds",
+            "One AttendStep call (one layer of one step) per attention server",
+            ["server_id"],
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        )
 
     def sync_preemptions(self) -> None:
         now = self._preemptions()
@@ -69,14 +86,21 @@ class AttentionMetrics:
 
     def __init__(self, registry: CollectorRegistry, server_id: str, stats: Callable[[], object]) -> None:
         labels = {"server_id": server_id}
-        for name, doc, field in (("rblocks_used", "rBlocks committed to sequences", "num_used"),
-                                 ("rblocks_free", "rBlocks on the free list", "num_free"),
-                                 ("rblocks_reserved", "rBlocks reserved, not yet committed", "num_reserved"),
-                                 ("rblock_sequences", "Sequences holding rBlocks here", "num_sequences")):
+        for name, doc, field in (
+            ("rblocks_used", "rBlocks committed to sequences", "num_used"),
+            ("rblocks_free", "rBlocks on the free list", "num_free"),
+            ("rblocks_reserved", "rBlocks reserved, not yet committed", "num_reserved"),
+            ("rblock_sequences", "Sequences holding rBlocks here", "num_sequences"),
+        ):
             g = Gauge(P + name, doc, ["server_id"], registry=registry)
             g.labels(**labels).set_function(lambda f=field: getattr(stats(), f))
-        self.attend_step = Histogram(P + "attend_step_seconds", "Server time of one AttendStep",
-                                     ["server_id"], registry=registry, buckets=LATENCY_BUCKETS).labels(**labels)
+        self.attend_step = Histogram(
+            P + "attend_step_seconds",
+            "Server time of one AttendStep",
+            ["server_id"],
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        ).labels(**labels)
 
 
 class ManagerMetrics:
@@ -85,23 +109,23 @@ class ManagerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.placements = Counter(P + "placements", "Successful Place calls", registry=registry)
         self.placed_rblocks = Counter(P + "placed_rblocks", "rBlocks placed", registry=registry)
-        self.placement_failures = Counter(P + "placement_failures", "Place calls refused (capacity)",
-                                          registry=registry)
+        self.placement_failures = Counter(P + "placement_failures", "Place calls refused (capacity)", registry=registry)
         self.releases = Counter(P + "releases", "Sequences released", registry=registry)
         self.migrations = Counter(P + "migrations", "rBlock migrations between servers", registry=registry)
-        self.view_free = Gauge(P + "cluster_rblocks_free", "Free rBlocks per server (manager's view)",
-                               ["server_id"], registry=registry)
-        self.view_capacity = Gauge(P + "cluster_rblocks_capacity", "Capacity per server in rBlocks",
-                                   ["server_id"], registry=registry)
+        self.view_free = Gauge(
+            P + "cluster_rblocks_free", "Free rBlocks per server (manager's view)", ["server_id"], registry=registry
+        )
+        self.view_capacity = Gauge(
+            P + "cluster_rblocks_capacity", "Capacity per server in rBlocks", ["server_id"], registry=registry
+        )
 
 
 class RouterMetrics:
     """Router: requests by outcome, in flight per compute instance."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter(P + "router_requests", "Generate calls by final status", ["status"],
-                                registry=registry)
-        self.in_flight = Gauge(P + "router_requests_in_flight", "Requests in flight per compute instance",
-                               ["instance"], registry=registry)
-        self.generation_tokens = Counter(P + "router_generation_tokens", "Tokens relayed to clients",
-                                         registry=registry)
+        self.requests = Counter(P + "router_requests", "Generate calls by final status", ["status"], registry=registry)
+        self.in_flight = Gauge(
+            P + "router_requests_in_flight", "Requests in flight per compute instance", ["instance"], registry=registry
+        )
+        self.generation_tokens = Counter(P + "router_generation_tokens", "Tokens relayed to clients", registry=registry)

@@ -42,14 +42,18 @@ class JsonLinesSpanExporter(SpanExporter):
         lines = []
         for s in spans:
             ctx = s.get_span_context()
-            lines.append(json.dumps({
-                "trace_id": format(ctx.trace_id, "032x"),
-                "span_id": format(ctx.span_id, "016x"),
-                "parent_id": format(s.parent.span_id, "016x") if s.parent else None,
-                "name": s.name,
-                "service": self.service,
-                "kind": s.kind.name,
-            }))
+            lines.append(
+                json.dumps(
+                    {
+                        "trace_id": format(ctx.trace_id, "032x"),
+                        "span_id": format(ctx.span_id, "016x"),
+                        "parent_id": format(s.parent.span_id, "016x") if s.parent else None,
+                        "name": s.name,
+                        "service": self.service,
+                        "kind": s.kind.name,
+                    }
+                )
+            )
         with self._lock, open(self.path, "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
         return SpanExportResult.SUCCESS

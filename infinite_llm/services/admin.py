@@ -28,8 +28,15 @@ def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
         servers.add_column(col, justify="left" if col in ("server", "address") else "right")
     for s in state.servers:
         pct = 100.0 * s.used_blocks / s.capacity_blocks if s.capacity_blocks else 0.0
-        servers.add_row(s.server_id, s.address, str(s.used_blocks), str(s.free_blocks), str(s.capacity_blocks),
-                        f"{pct:.0f}%", str(s.num_sequences))
+        servers.add_row(
+            s.server_id,
+            s.address,
+            str(s.used_blocks),
+            str(s.free_blocks),
+            str(s.capacity_blocks),
+            f"{pct:.0f}%",
+            str(s.num_sequences),
+        )
     total = sum(s.capacity_blocks for s in state.servers)
     used = sum(s.used_blocks for s in state.servers)
     servers.caption = f"cluster: {used}/{total} rBlocks used"

@@ -14,8 +14,12 @@ from infinite_llm.pb.v1 import generate_pb2 as gpb
 
 def sampling_from_proto(p: gpb.SamplingParams) -> SamplingParams:
     """Core ``SamplingParams`` from the message; unset optionals take the core defaults."""
-    kwargs: dict = {"max_tokens": p.max_tokens, "stop": tuple(p.stop), "stop_token_ids": tuple(p.stop_token_ids),
-                    "ignore_eos": p.ignore_eos}
+    kwargs: dict = {
+        "max_tokens": p.max_tokens,
+        "stop": tuple(p.stop),
+        "stop_token_ids": tuple(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+    }
     for name in ("temperature", "top_p", "top_k", "seed"):
         if p.HasField(name):
             kwargs[name] = getattr(p, name)
@@ -32,8 +36,9 @@ def sampling_to_proto(
     stop_token_ids: list[int] | tuple[int, ...] = (),
     ignore_eos: bool = False,
 ) -> gpb.SamplingParams:
-    msg = gpb.SamplingParams(max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                             ignore_eos=ignore_eos)
+    msg = gpb.SamplingParams(
+        max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+    )
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
         if value is not None:
             setattr(msg, name, value)
@@ -52,8 +57,9 @@ def prompt_from_request(req: gpb.GenerateRequest) -> str | list[int]:
 
 def response_from_output(out: RequestOutput, placement: dict[str, int] | None = None) -> gpb.GenerateResponse:
     """One streamed message: this step's new tokens and text; usage, finish reason and placement at the end."""
-    msg = gpb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
-                               num_preemptions=out.num_preemptions)
+    msg = gpb.GenerateResponse(
+        request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text, num_preemptions=out.num_preemptions
+    )
     if out.finished:
         msg.finish_reason = out.finish_reason or ""
         msg.usage.prompt_tokens = out.prompt_tokens

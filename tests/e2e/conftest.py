@@ -22,9 +22,16 @@ BYTES_PER_BLOCK = KVLayout(30, BLOCK_SIZE, 3, 64).bytes_per_block
 
 @pytest.fixture(scope="session")
 def mesh(default_model_path):
-    config = MeshConfig(attention_servers=3, compute_instances=1, kv_memory_bytes=BLOCKS_PER_SERVER * BYTES_PER_BLOCK,
-                        router_port=_free_port(), block_size=BLOCK_SIZE, member_ttl_s=3, max_num_batched_tokens=256,
-                        gateway_port=_free_port())
+    config = MeshConfig(
+        attention_servers=3,
+        compute_instances=1,
+        kv_memory_bytes=BLOCKS_PER_SERVER * BYTES_PER_BLOCK,
+        router_port=_free_port(),
+        block_size=BLOCK_SIZE,
+        member_ttl_s=3,
+        max_num_batched_tokens=256,
+        gateway_port=_free_port(),
+    )
     with LocalMesh(config) as m:
         yield m
 

@@ -15,8 +15,13 @@ from tests.e2e.test_mesh_generation import TEXT, wait_until
 
 @pytest.fixture(scope="module")
 def small_mesh(default_model_path):
-    config = MeshConfig(attention_servers=3, kv_memory_bytes=8 * BYTES_PER_BLOCK, router_port=free_port(),
-                        block_size=BLOCK_SIZE, member_ttl_s=3)
+    config = MeshConfig(
+        attention_servers=3,
+        kv_memory_bytes=8 * BYTES_PER_BLOCK,
+        router_port=free_port(),
+        block_size=BLOCK_SIZE,
+        member_ttl_s=3,
+    )
     with LocalMesh(config) as m:
         yield m
 

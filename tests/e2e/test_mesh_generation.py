@@ -49,9 +49,14 @@ def test_greedy_through_the_mesh_equals_single_process_and_hf(client, local, hf_
     ref = local.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == ref.token_ids
     assert out.text == ref.text
-    hf = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0,
-                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    assert out.token_ids == hf[0, len(ids):].tolist()
+    hf = hf_model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    )
+    assert out.token_ids == hf[0, len(ids) :].tolist()
     # the KV could not fit on one server: it was spread
     assert sum(out.placement.values()) == -(-(len(ids) + 12) // BLOCK_SIZE)
     assert len(out.placement) >= 2 and max(out.placement.values()) <= BLOCKS_PER_SERVER
@@ -99,8 +104,9 @@ def test_client_disconnect_mid_stream_frees_every_block_and_the_ledger(client, l
 
 
 def test_abort_by_request_id_frees_every_block(client, local, mesh):
-    stream = client.stream(_prompt(local.tokenizer, 100), max_tokens=80, temperature=0, ignore_eos=True,
-                           request_id="abort-me")
+    stream = client.stream(
+        _prompt(local.tokenizer, 100), max_tokens=80, temperature=0, ignore_eos=True, request_id="abort-me"
+    )
     first = next(stream)
     assert first.request_id == "abort-me"
     assert client.abort("abort-me") is True

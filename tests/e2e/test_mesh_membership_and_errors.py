@@ -80,15 +80,29 @@ def test_attention_server_rejects_malformed_tensors_and_unknown_sequences(mesh):
     address = mesh.attention_servers()[0].address
     with grpc.insecure_channel(address) as ch:
         stub = agrpc.AttentionServerStub(ch)
-        bad_dtype = apb.AttendStepRequest(layer=0, seqs=[apb.SeqAttend(
-            seq_id="nope", query=tpb.Tensor(dtype="complex7", shape=[1, 9, 64], data=b""), context_len=1)])
+        bad_dtype = apb.AttendStepRequest(
+            layer=0,
+            seqs=[
+                apb.SeqAttend(
+                    seq_id="nope", query=tpb.Tensor(dtype="complex7", shape=[1, 9, 64], data=b""), context_len=1
+                )
+            ],
+        )
         assert _code(stub.AttendStep, bad_dtype) == grpc.StatusCode.INVALID_ARGUMENT
-        short = apb.AttendStepRequest(layer=0, seqs=[apb.SeqAttend(
-            seq_id="nope", query=tpb.Tensor(dtype="float32", shape=[1, 9, 64], data=b"\0" * 12), context_len=1)])
+        short = apb.AttendStepRequest(
+            layer=0,
+            seqs=[
+                apb.SeqAttend(
+                    seq_id="nope", query=tpb.Tensor(dtype="float32", shape=[1, 9, 64], data=b"\0" * 12), context_len=1
+                )
+            ],
+        )
         assert _code(stub.AttendStep, short) == grpc.StatusCode.INVALID_ARGUMENT
         assert _code(stub.CommitBlocks, apb.CommitBlocksRequest(reservation_id=987654)) == grpc.StatusCode.NOT_FOUND
-        assert _code(stub.ReserveBlocks, apb.ReserveBlocksRequest(seq_id="x", num_blocks=10**6)) == \
-            grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (
+            _code(stub.ReserveBlocks, apb.ReserveBlocksRequest(seq_id="x", num_blocks=10**6))
+            == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
         assert server_stats(address).num_reserved == 0  # the next valid call works and nothing leaked
 
 

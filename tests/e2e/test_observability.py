@@ -58,31 +58,47 @@ def test_metrics_of_every_service_move_by_the_expected_amounts(mesh):
     assert rpc_calls >= 30 * 8  # every layer of every step called at least one attention server
 
     after_router = scrape(router.metrics_address)
-    assert value(after_router, "infinite_llm:router_generation_tokens_total") - value(
-        before[router.name], "infinite_llm:router_generation_tokens_total") == tokens
-    assert value(after_router, "infinite_llm:router_requests_total", status="ok") - value(
-        before[router.name], "infinite_llm:router_requests_total", status="ok") == 2
+    assert (
+        value(after_router, "infinite_llm:router_generation_tokens_total")
+        - value(before[router.name], "infinite_llm:router_generation_tokens_total")
+        == tokens
+    )
+    assert (
+        value(after_router, "infinite_llm:router_requests_total", status="ok")
+        - value(before[router.name], "infinite_llm:router_requests_total", status="ok")
+        == 2
+    )
 
     after_manager = scrape(manager.metrics_address)
     placements = value(after_manager, "infinite_llm:placements_total") - value(
-        before[manager.name], "infinite_llm:placements_total")
+        before[manager.name], "infinite_llm:placements_total"
+    )
     assert placements >= 2  # at least one placement per request
-    assert value(after_manager, "infinite_llm:releases_total") - value(
-        before[manager.name], "infinite_llm:releases_total") == 2
+    assert (
+        value(after_manager, "infinite_llm:releases_total") - value(before[manager.name], "infinite_llm:releases_total")
+        == 2
+    )
 
     for server in mesh.attention_servers():
         samples = scrape(server.metrics_address)
         labels = {"server_id": server.name}
-        assert wait_until(lambda s=server, lb=labels: value(scrape(s.metrics_address), "infinite_llm:rblocks_used", **lb) == 0)
-        assert value(samples, "infinite_llm:rblocks_free", **labels) + value(
-            samples, "infinite_llm:rblocks_used", **labels) == 8
+        assert wait_until(
+            lambda s=server, lb=labels: value(scrape(s.metrics_address), "infinite_llm:rblocks_used", **lb) == 0
+        )
+        assert (
+            value(samples, "infinite_llm:rblocks_free", **labels)
+            + value(samples, "infinite_llm:rblocks_used", **labels)
+            == 8
+        )
 
-    gw_before = value(scrape(mesh.gateway_address), "infinite_llm:gateway_requests_total",
-                      route="/v1/models", status="200")
+    gw_before = value(
+        scrape(mesh.gateway_address), "infinite_llm:gateway_requests_total", route="/v1/models", status="200"
+    )
     with urllib.request.urlopen(f"http://{mesh.gateway_address}/v1/models", timeout=10) as reply:
         assert reply.status == 200
-    gw_after = value(scrape(mesh.gateway_address), "infinite_llm:gateway_requests_total",
-                     route="/v1/models", status="200")
+    gw_after = value(
+        scrape(mesh.gateway_address), "infinite_llm:gateway_requests_total", route="/v1/models", status="200"
+    )
     assert gw_after - gw_before == 1
 
 
@@ -92,8 +108,13 @@ def traced_mesh(default_model_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OTEL_TRACES_EXPORTER", "jsonl")
         mp.setenv("INFINITE_LLM_SPANS_PATH", str(spans))
-        config = MeshConfig(attention_servers=2, kv_memory_bytes=16 * BYTES_PER_BLOCK, router_port=free_port(),
-                            gateway_port=free_port(), block_size=BLOCK_SIZE)
+        config = MeshConfig(
+            attention_servers=2,
+            kv_memory_bytes=16 * BYTES_PER_BLOCK,
+            router_port=free_port(),
+            gateway_port=free_port(),
+            block_size=BLOCK_SIZE,
+        )
         with LocalMesh(config) as m:
             yield m, spans
 
@@ -103,8 +124,7 @@ def test_one_trace_follows_a_request_through_every_hop(traced_mesh):
     import openai
 
     client = openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key="unused")
-    done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello there", max_tokens=4,
-                                     temperature=0)
+    done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello there", max_tokens=4, temperature=0)
     assert done.choices[0].finish_reason == "length"
     time.sleep(1.0)  # spans of the last hops are exported as they end
     spans = [json.loads(line) for line in spans_path.read_text().splitlines()]

@@ -117,9 +117,7 @@ def test_kernel_runs_in_the_interpreter():
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("batch", [decode_batch, prefill_batch])
 def test_matches_reference_for_mha_gqa_mqa(batch, num_heads, num_kv_heads, block_size):
-    case = build_case(
-        batch(block_size), num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size
-    )
+    case = build_case(batch(block_size), num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
     assert_matches_reference(case)
 
 
@@ -140,9 +138,7 @@ def test_rows_without_visible_keys_are_zero_with_neg_inf_lse():
 def test_kv_splits_merge_to_the_single_pass_result(num_splits):
     parts = [Part(70, [69], shuffled(list(range(18)), seed=2)), Part(33, list(range(25, 33)), list(range(9)))]
     case = build_case(parts, block_size=4, seed=4)
-    single, single_lse = triton_partial_attention(
-        case.query, case.k_cache, case.v_cache, case.meta, num_splits=1
-    )
+    single, single_lse = triton_partial_attention(case.query, case.k_cache, case.v_cache, case.meta, num_splits=1)
     out, lse = assert_matches_reference(case, num_splits=num_splits)
     torch.testing.assert_close(out, single, **TOL)
     torch.testing.assert_close(lse, single_lse, **TOL)

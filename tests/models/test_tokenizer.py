@@ -19,8 +19,12 @@ TEXTS = [
 ]
 CHATS = [
     [{"role": "user", "content": "What is 2 + 2?"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi 👋"},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi 👋"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ],
 ]
 
 
@@ -33,7 +37,8 @@ def tok(default_weights):
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_encode_equals_transformers(tok, hf_tokenizer, text, add_special_tokens):
     assert tok.encode(text, add_special_tokens=add_special_tokens) == hf_tokenizer.encode(
-        text, add_special_tokens=add_special_tokens)
+        text, add_special_tokens=add_special_tokens
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -54,11 +59,11 @@ def test_known_token_ids(tok):
 @pytest.mark.parametrize("messages", CHATS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_equals_transformers(tok, hf_tokenizer, messages, add_generation_prompt):
-    expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False)
+    expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     assert tok.apply_chat_template(messages, add_generation_prompt) == expected
-    expected_ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                    tokenize=True, return_dict=True)["input_ids"]
+    expected_ids = hf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+    )["input_ids"]
     assert tok.encode_chat(messages, add_generation_prompt) == expected_ids
 
 

@@ -25,8 +25,9 @@ RETRY_S = 1.0  # wait before retrying an unreachable manager (seconds)
 class Registrar:
     """Keeps one server registered; ``stats()`` is read on every heartbeat."""
 
-    def __init__(self, manager_address: str, server_id: str, address: str, block_size: int,
-                 stats: Callable[[], HolderStats]) -> None:
+    def __init__(
+        self, manager_address: str, server_id: str, address: str, block_size: int, stats: Callable[[], HolderStats]
+    ) -> None:
         self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=5.0))
         self.server_id, self.address, self.block_size = server_id, address, block_size
         self._stats = stats
@@ -55,20 +56,36 @@ class Registrar:
 
     async def _register(self) -> float:
         s = self._stats()
-        reply = await self._stub.Register(mpb.RegisterRequest(
-            server_id=self.server_id, address=self.address, capacity_blocks=s.num_blocks,
-            block_size=self.block_size, kind="attention"))
-        log.info("registered %s at %s with %d rBlocks (lease %d s)", self.server_id, self.address, s.num_blocks,
-                 reply.lease_ttl_s)
+        reply = await self._stub.Register(
+            mpb.RegisterRequest(
+                server_id=self.server_id,
+                address=self.address,
+                capacity_blocks=s.num_blocks,
+                block_size=self.block_size,
+                kind="attention",
+            )
+        )
+        log.info(
+            "registered %s at %s with %d rBlocks (lease %d s)",
+            self.server_id,
+            self.address,
+            s.num_blocks,
+            reply.lease_ttl_s,
+        )
         return float(reply.lease_ttl_s)
 
     async def _heartbeat(self) -> bool:
         """One heartbeat; False when the manager no longer knows this server."""
         s = self._stats()
         try:
-            await self._stub.Heartbeat(mpb.HeartbeatRequest(
-                server_id=self.server_id, free_blocks=s.num_free, used_blocks=s.num_used,
-                num_sequences=s.num_sequences))
+            await self._stub.Heartbeat(
+                mpb.HeartbeatRequest(
+                    server_id=self.server_id,
+                    free_blocks=s.num_free,
+                    used_blocks=s.num_used,
+                    num_sequences=s.num_sequences,
+                )
+            )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return False

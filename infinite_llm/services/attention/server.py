@@ -159,8 +159,9 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
     registrar = None
     if config.manager_address:
         advertised = f"{config.advertise_host or config.host}:{server.port}"
-        registrar = Registrar(config.manager_address, config.server_id, advertised, config.block_size,
-                              server.servicer.holder.stats)
+        registrar = Registrar(
+            config.manager_address, config.server_id, advertised, config.block_size, server.servicer.holder.stats
+        )
         registrar.start()
     try:
         await stop.wait()

@@ -180,8 +180,9 @@ class EngineLoop:
         ``MAX_RECOVERIES`` failed steps in a row."""
         self._failures += 1
         if self._failures > MAX_RECOVERIES:
-            log.error("step failed %d times in a row (%s); failing %d requests", self._failures, error,
-                      len(self._sinks))
+            log.error(
+                "step failed %d times in a row (%s); failing %d requests", self._failures, error, len(self._sinks)
+            )
             self._fail_all(error)
             return
         try:

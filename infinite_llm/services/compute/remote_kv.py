@@ -35,8 +35,13 @@ CAPACITY_REFRESH_S = 1.0  # how stale the cluster's capacity view may be before 
 class RemoteKV:
     """Block tables of this instance's sequences over the cluster's attention servers."""
 
-    def __init__(self, manager_address: str, block_size: int, timeout_s: float = 30.0,
-                 on_rpc: Callable[[str, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        manager_address: str,
+        block_size: int,
+        timeout_s: float = 30.0,
+        on_rpc: Callable[[str, float], None] | None = None,
+    ) -> None:
         """``on_rpc(server_id, seconds)`` is told the duration of every AttendStep call (metrics)."""
         self.block_size = block_size
         self._on_rpc = on_rpc
@@ -139,7 +144,9 @@ class RemoteKV:
         futures = []
         for server, items in per_server.items():
             req = apb.AttendStepRequest(layer=layer, seqs=[_seq_attend(it, rows, q, k, v) for it, rows in items])
-            futures.append((server, items, time.perf_counter(), self._stub(server).AttendStep.future(req, timeout=self.timeout_s)))
+            futures.append(
+                (server, items, time.perf_counter(), self._stub(server).AttendStep.future(req, timeout=self.timeout_s))
+            )
         outs = torch.zeros(len(futures), t, h, d, dtype=q.dtype)
         lses = torch.full((len(futures), t, h), float("-inf"), dtype=torch.float32)
         for j, (server, items, started, fut) in enumerate(futures):

@@ -76,15 +76,20 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     rpc_hist: list = []
     engine, kv, model_name = build_engine(config, on_rpc=lambda s, t: rpc_hist[0].labels(server_id=s).observe(t))
     loop = EngineLoop(engine)
-    metrics = EngineMetrics(registry, lambda: loop.num_running, lambda: loop.num_waiting,
-                            lambda: engine.num_preemptions)
+    metrics = EngineMetrics(
+        registry, lambda: loop.num_running, lambda: loop.num_waiting, lambda: engine.num_preemptions
+    )
     rpc_hist.append(metrics.attention_rpc)
     loop.metrics = metrics
     serve_metrics(registry, config.metrics_port)
     loop.start()
     servicer = ComputeInstanceServicer(loop, config.instance_id, model_name, kv=kv)
-    service = Service.of(compute_instance_pb2, "ComputeInstance",
-                         compute_instance_pb2_grpc.add_ComputeInstanceServicer_to_server, servicer)
+    service = Service.of(
+        compute_instance_pb2,
+        "ComputeInstance",
+        compute_instance_pb2_grpc.add_ComputeInstanceServicer_to_server,
+        servicer,
+    )
     server = await start_server([service], f"{config.host}:{config.port}")
     log.info("compute instance %s serving %s on %s:%d", config.instance_id, model_name, config.host, server.port)
     print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)

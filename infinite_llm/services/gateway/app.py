@@ -113,10 +113,16 @@ async def generate(request: Request, backend: RouterBackend, body: CompletionReq
 def install_metrics(app: FastAPI) -> None:
     """``GET /metrics`` (Prometheus) and per-route request counts and latencies."""
     registry = CollectorRegistry()
-    requests = Counter("infinite_llm:gateway_requests", "HTTP requests by route and status", ["route", "status"],
-                       registry=registry)
-    latency = Histogram("infinite_llm:gateway_request_seconds", "HTTP request time (streams: until headers)",
-                        ["route"], registry=registry, buckets=LATENCY_BUCKETS)
+    requests = Counter(
+        "infinite_llm:gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=registry
+    )
+    latency = Histogram(
+        "infinite_llm:gateway_request_seconds",
+        "HTTP request time (streams: until headers)",
+        ["route"],
+        registry=registry,
+        buckets=LATENCY_BUCKETS,
+    )
 
     @app.middleware("http")
     async def count(request: Request, call_next):  # noqa: ANN001, ANN202

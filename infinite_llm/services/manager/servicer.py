@@ -24,8 +24,9 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         return None
 
     async def Register(self, request: mpb.RegisterRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        reg = await self.manager.register(request.server_id, request.address, request.capacity_blocks,
-                                          request.block_size, request.kind or "attention")
+        reg = await self.manager.register(
+            request.server_id, request.address, request.capacity_blocks, request.block_size, request.kind or "attention"
+        )
         self.metrics.view_capacity.labels(server_id=request.server_id).set(request.capacity_blocks)
         return mpb.RegisterResponse(lease_ttl_s=reg.ttl_s)
 
@@ -42,10 +43,12 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             raise
         self.metrics.placements.inc()
         self.metrics.placed_rblocks.inc(request.num_blocks)
-        return mpb.PlaceResponse(grants=[
-            mpb.BlockGrant(server_id=g.server_id, address=self.address_of(g.server_id) or "", block_ids=g.block_ids)
-            for g in grants
-        ])
+        return mpb.PlaceResponse(
+            grants=[
+                mpb.BlockGrant(server_id=g.server_id, address=self.address_of(g.server_id) or "", block_ids=g.block_ids)
+                for g in grants
+            ]
+        )
 
     async def Release(self, request: mpb.ReleaseRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         freed = await self.manager.release(request.seq_id)
@@ -56,10 +59,15 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         state = await self.manager.cluster_state()
         reply = mpb.ClusterStateResponse()
         for m in state.members:
-            reply.servers.add(server_id=m.info.server_id, address=m.info.address,
-                              capacity_blocks=m.info.capacity_blocks, free_blocks=m.free_blocks,
-                              used_blocks=m.info.capacity_blocks - m.free_blocks, num_sequences=int(m.load),
-                              block_size=m.info.block_size)
+            reply.servers.add(
+                server_id=m.info.server_id,
+                address=m.info.address,
+                capacity_blocks=m.info.capacity_blocks,
+                free_blocks=m.free_blocks,
+                used_blocks=m.info.capacity_blocks - m.free_blocks,
+                num_sequences=int(m.load),
+                block_size=m.info.block_size,
+            )
         for seq_id, entries in sorted(state.ledger.items()):
             reply.ledger.add(seq_id=seq_id, shares=[mpb.KVShare(server_id=s, num_blocks=n) for s, n in entries])
         return reply

@@ -38,8 +38,9 @@ def build_servicer(config: RouterConfig, metrics: RouterMetrics | None = None) -
     resolved = resolve_model(config.model)
     model_config = load_model_config(resolved)
     tokenizer = load_tokenizer(resolved, model_config)
-    return RouterServicer(list(config.compute_addresses), resolved.name, model_config.max_position_embeddings,
-                          tokenizer, metrics)
+    return RouterServicer(
+        list(config.compute_addresses), resolved.name, model_config.max_position_embeddings, tokenizer, metrics
+    )
 
 
 async def serve(config: RouterConfig) -> None:

@@ -35,8 +35,14 @@ class _Instance:
 
 
 class RouterServicer(rgrpc.RouterServicer):
-    def __init__(self, compute_addresses: list[str], model_name: str, max_model_len: int, tokenizer,  # noqa: ANN001
-                 metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        compute_addresses: list[str],
+        model_name: str,
+        max_model_len: int,
+        tokenizer,  # noqa: ANN001
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         if not compute_addresses:
             raise ValueError("router needs at least one compute instance address")
         self.instances = [_Instance(a) for a in compute_addresses]
