@@ -9,6 +9,8 @@ migration. Pure torch, no gRPC; **not thread-safe**: the servicer calls it from 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +21,9 @@ from infinite_llm.services.attention.types import HolderStats, SeqAttendParams, 
 from infinite_llm.services.attention.validation import check_payload, check_step
 
 
+RESERVATION_TTL_S = 60.0  # an uncommitted reservation older than this was orphaned (seconds)
+
+
 class AttentionHolder:
     """rBlocks of one server: reservations, AttendStep, export/import, stats.
 
@@ -26,10 +31,18 @@ class AttentionHolder:
     ``RManager``; a failed call changes nothing.
     """
 
-    def __init__(self, rmanager: RManager) -> None:
+    def __init__(
+        self,
+        rmanager: RManager,
+        reservation_ttl_s: float = RESERVATION_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.rm = rmanager
         self.layout: KVLayout = rmanager.layout
         self._reservations: dict[int, tuple[str, tuple[int, ...]]] = {}  # id -> (seq_id, block ids)
+        self._reserved_at: dict[int, float] = {}
+        self.reservation_ttl_s = reservation_ttl_s
+        self._clock = clock
 
     @classmethod
     def with_capacity(cls, kv_memory_bytes: int, layout: KVLayout, device: str = "cpu") -> AttentionHolder:
@@ -43,26 +56,44 @@ class AttentionHolder:
             raise InvalidRequest("seq_id must not be empty")
         if num_blocks < 1:
             raise InvalidRequest(f"num_blocks must be >= 1, got {num_blocks}")
+        self.expire_reservations()
         r = self.rm.reserve(seq_id, num_blocks)
         self._reservations[r.reservation_id] = (seq_id, r.block_ids)
+        self._reserved_at[r.reservation_id] = self._clock()
         return r
+
+    def expire_reservations(self) -> int:
+        """Cancel reservations older than ``reservation_ttl_s`` seconds; returns how many.
+
+        A reservation is held only between a manager's reserve and commit (milliseconds). One that lives
+        longer was orphaned (the manager died in between, or its placement was cancelled mid-transaction)
+        and would leak its rBlocks forever.
+        """
+        cutoff = self._clock() - self.reservation_ttl_s
+        stale = [r for r, at in self._reserved_at.items() if at < cutoff]
+        for rid in stale:
+            self.cancel(rid)
+        return len(stale)
 
     def commit(self, reservation_id: int) -> tuple[str, list[int]]:
         """Phase two: returns ``(seq_id, block_ids)`` now owned by the sequence."""
         seq_id, _ = self._reservation(reservation_id)
         ids = self.rm.commit(reservation_id)
         del self._reservations[reservation_id]
+        self._reserved_at.pop(reservation_id, None)
         return seq_id, ids
 
     def cancel(self, reservation_id: int) -> None:
         self._reservation(reservation_id)
         self.rm.cancel(reservation_id)
         del self._reservations[reservation_id]
+        self._reserved_at.pop(reservation_id, None)
 
     def free_sequence(self, seq_id: str) -> int:
         """Free the sequence's rBlocks and open reservations; returns the rBlocks freed (0 if unknown)."""
         freed = self.rm.free_sequence(seq_id)
         self._reservations = {r: v for r, v in self._reservations.items() if v[0] != seq_id}
+        self._reserved_at = {r: t for r, t in self._reserved_at.items() if r in self._reservations}
         return freed
 
     def _reservation(self, reservation_id: int) -> tuple[str, tuple[int, ...]]:
