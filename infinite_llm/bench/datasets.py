@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Protocol
 
 # Common English words: synthetic prompts are sequences of real words, so they tokenize like text.
-WORDS = tuple("""
+WORDS = tuple(
+    """
 the of and to in is was for on are as with his they at be this from have or by one had not but what all were
 when we there can an your which their said if do will each about how up out them then she many some so these
 would other into has more her two like him see time could no make than first been its who now people my made
@@ -33,7 +34,8 @@ page got earth need far hand high year mother light parts country father let nig
 second eyes soon times story boys since white days ever paper hard near sentence better best across during today
 others however sure means knew try told young miles sun ways thing whole hear example heard several change answer
 room sea against top turned learn point city play toward five using himself usually money seen car morning given
-""".split())
+""".split()
+)
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,9 @@ def _units_for(codec: PromptCodec, num_tokens: float) -> int:
     return max(1, round(num_tokens / codec.tokens_per_unit))
 
 
-def synthetic(codec: PromptCodec, n: int, input_len: int, output_len: int, range_ratio: float,
-              seed: int) -> list[BenchRequest]:
+def synthetic(
+    codec: PromptCodec, n: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[BenchRequest]:
     """``n`` prompts of random common words, windows at random offsets of one pool (wrapping around)."""
     rng = random.Random(seed)
     input_lens = sample_lengths(rng, n, input_len, range_ratio)
@@ -156,8 +159,9 @@ def _jsonl_item(line: str, where: str, output_len: int) -> BenchRequest:
     return BenchRequest(prompt, max_tokens)
 
 
-def long_doc(codec: PromptCodec, text: str, n: int, input_len: int, output_len: int, range_ratio: float,
-             seed: int, question: str) -> list[BenchRequest]:
+def long_doc(
+    codec: PromptCodec, text: str, n: int, input_len: int, output_len: int, range_ratio: float, seed: int, question: str
+) -> list[BenchRequest]:
     """``n`` prompts: a window of the document at a random offset, then ``question``; ~``input_len`` tokens.
 
     Raises ``ValueError`` when the document is shorter than the longest window.
@@ -174,5 +178,5 @@ def long_doc(codec: PromptCodec, text: str, n: int, input_len: int, output_len: 
             have = math.floor(len(units) * codec.tokens_per_unit)
             raise ValueError(f"the document has about {have} tokens, too few for prompts of {in_len} tokens")
         start = rng.randrange(len(units) - size + 1)
-        requests.append(BenchRequest(codec.join(units[start:start + size], tail), out_len))
+        requests.append(BenchRequest(codec.join(units[start : start + size], tail), out_len))
     return requests

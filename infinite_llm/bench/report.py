@@ -65,4 +65,4 @@ def print_summary(summary: BenchSummary, settings: dict, console: Console) -> No
     if summary.errors:
         console.print("Errors:", style="bold red")
         for message, count in summary.errors.items():
-            console.print(f"  {count} x {message}", markup=False, highlight=False)
+            console.print(f"  {count} x {message}", markup=False, highlight=False, soft_wrap=True)

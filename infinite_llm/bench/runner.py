@@ -54,9 +54,13 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
     return out
 
 
-async def run_load(target: Target, requests: Sequence[BenchRequest], sampling: Callable[[int], dict],
-                   load: LoadConfig, on_done: Callable[[RequestRecord], None] = lambda _: None,
-                   ) -> tuple[list[RequestRecord], float]:
+async def run_load(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    sampling: Callable[[int], dict],
+    load: LoadConfig,
+    on_done: Callable[[RequestRecord], None] = lambda _: None,
+) -> tuple[list[RequestRecord], float]:
     """Send ``requests`` (request ``i`` with ``sampling(i)``) to an open ``target``.
 
     Returns one record per request, in order, and the run's duration (s). ``on_done`` sees each record as

@@ -12,7 +12,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from contextlib import aclosing, contextmanager
+from contextlib import AbstractContextManager, aclosing, contextmanager
 from typing import Protocol
 
 import httpx
@@ -34,10 +34,13 @@ class RequestFailed(Exception):
 
 
 class Target(Protocol):
+    """A router or gateway under test: prepare prompts with ``prompt_codec``, then ``async with`` it and ``send``."""
+
     name: str
     address: str
 
-    def prompt_codec(self, sample_text: str) -> Iterator[PromptCodec]: ...
+    def prompt_codec(self, sample_text: str) -> AbstractContextManager[PromptCodec]:
+        """The codec datasets cut prompts with (``sample_text``: the text they will be cut from)."""
 
     async def __aenter__(self) -> Target: ...
 
@@ -46,9 +49,9 @@ class Target(Protocol):
     async def send(self, request: BenchRequest, sampling: dict, timeout_s: float) -> RequestRecord: ...
 
 
-def word_sample(rng_seed: int = 0) -> str:
+def word_sample() -> str:
     """A sample of the synthetic word list, to measure its tokens per word."""
-    return " ".join(random.Random(rng_seed).choices(WORDS, k=PROBE_WORDS))
+    return " ".join(random.Random(0).choices(WORDS, k=PROBE_WORDS))
 
 
 def describe_error(e: BaseException) -> str:
@@ -72,6 +75,7 @@ class RouterTarget:
     @contextmanager
     def prompt_codec(self, sample_text: str) -> Iterator[PromptCodec]:
         with Client(self.address) as client:
+
             def tokenize(text: str) -> list[int]:
                 try:
                     return client.tokenize(text, add_special_tokens=False, timeout=PREPARE_TIMEOUT_S)
@@ -93,8 +97,9 @@ class RouterTarget:
         assert self._client is not None, "use the target as an async context manager"
         times, tokens, final = [], [], None
         start = time.perf_counter()
-        stream = self._client.stream(request.prompt, max_tokens=request.max_tokens, timeout=timeout_s,
-                                     model=self.model, **sampling)
+        stream = self._client.stream(
+            request.prompt, max_tokens=request.max_tokens, timeout=timeout_s, model=self.model, **sampling
+        )
         async with aclosing(stream):  # a cancelled benchmark cancels the call (its rBlocks are freed)
             async for chunk in stream:
                 if chunk.token_ids:
@@ -105,8 +110,9 @@ class RouterTarget:
         end = time.perf_counter()
         if final is None or final.finish_reason not in ("stop", "length"):
             raise RequestFailed(f"finished with {final.finish_reason if final else None!r}, not stop or length")
-        return RequestRecord(True, start, end, final.prompt_tokens, final.completion_tokens or sum(tokens),
-                             tuple(times), tuple(tokens))
+        return RequestRecord(
+            True, start, end, final.prompt_tokens, final.completion_tokens or sum(tokens), tuple(times), tuple(tokens)
+        )
 
 
 def gateway_base_url(target: str) -> str:
@@ -120,7 +126,7 @@ def sse_data(line: str) -> str | None:
     """The payload of an SSE ``data:`` line; None for comments, other fields and blank lines."""
     if not line.startswith("data:"):
         return None
-    return line[len("data:"):].strip()
+    return line[len("data:") :].strip()
 
 
 def _http_error(reply: httpx.Response, body: bytes) -> str:
@@ -157,7 +163,11 @@ class GatewayTarget:
             raise TargetError(f"the gateway at {self.address} does not answer: {describe_error(e)}") from e
         if reply.status_code != 200:
             raise TargetError(f"the gateway at {self.address} refused the probe: {_http_error(reply, reply.content)}")
-        yield WordCodec(reply.json()["usage"]["prompt_tokens"] / len(words))
+        try:
+            tokens_per_word = reply.json()["usage"]["prompt_tokens"] / len(words)
+        except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+            raise TargetError(f"the gateway at {self.address} answered the probe without usage: {e!r}") from e
+        yield WordCodec(tokens_per_word)
 
     async def __aenter__(self) -> GatewayTarget:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no queueing in the client
@@ -171,8 +181,9 @@ class GatewayTarget:
     async def send(self, request: BenchRequest, sampling: dict, timeout_s: float) -> RequestRecord:
         """Stream one completion; TTFT is the first non-empty text. Raises ``RequestFailed`` or httpx errors."""
         assert self._http is not None, "use the target as an async context manager"
-        body = self._body(request.prompt, request.max_tokens, stream=True, stream_options={"include_usage": True},
-                          **sampling)
+        body = self._body(
+            request.prompt, request.max_tokens, stream=True, stream_options={"include_usage": True}, **sampling
+        )
         times, finish, usage = [], None, {}
         start = time.perf_counter()
         async with self._http.stream("POST", f"{self.address}/completions", json=body, timeout=timeout_s) as reply:
@@ -195,5 +206,12 @@ class GatewayTarget:
         end = time.perf_counter()
         if finish not in ("stop", "length"):
             raise RequestFailed(f"finished with {finish!r}, not stop or length")
-        return RequestRecord(True, start, end, usage.get("prompt_tokens", 0),
-                             usage.get("completion_tokens", len(times)), tuple(times), (1,) * len(times))
+        return RequestRecord(
+            True,
+            start,
+            end,
+            usage.get("prompt_tokens", 0),
+            usage.get("completion_tokens", len(times)),
+            tuple(times),
+            (1,) * len(times),
+        )

@@ -45,8 +45,7 @@ def test_synthetic_prompts_have_exact_token_lengths_and_are_reproducible():
 
 
 def test_synthetic_prompts_are_real_words_for_the_gateway():
-    reqs = datasets.synthetic(WordCodec(tokens_per_word=2.0), n=3, input_len=20, output_len=4, range_ratio=0,
-                              seed=0)
+    reqs = datasets.synthetic(WordCodec(tokens_per_word=2.0), n=3, input_len=20, output_len=4, range_ratio=0, seed=0)
     assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 10 for r in reqs)
     assert all(w in datasets.WORDS for r in reqs for w in r.prompt.split())
 
@@ -55,7 +54,10 @@ def test_jsonl_cycles_through_the_file_with_default_max_tokens(tmp_path: Path):
     path = tmp_path / "reqs.jsonl"
     path.write_text('{"prompt": "a b c", "max_tokens": 5}\n\n{"prompt": [1, 2, 3]}\n', encoding="utf-8")
     assert datasets.jsonl(path, 3, output_len=7) == [
-        BenchRequest("a b c", 5), BenchRequest([1, 2, 3], 7), BenchRequest("a b c", 5)]
+        BenchRequest("a b c", 5),
+        BenchRequest([1, 2, 3], 7),
+        BenchRequest("a b c", 5),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -77,12 +79,13 @@ def test_jsonl_names_the_line_of_a_bad_entry(tmp_path: Path, line, message):
 def test_long_doc_prompts_are_a_window_of_the_document_then_the_question():
     text = Path(LONG_DOCUMENT).read_text(encoding="utf-8")
     codec = TokenCodec(char_ids)
-    reqs = datasets.long_doc(codec, text, n=3, input_len=3000, output_len=16, range_ratio=0, seed=1,
-                             question="Who wrote it?")
+    reqs = datasets.long_doc(
+        codec, text, n=3, input_len=3000, output_len=16, range_ratio=0, seed=1, question="Who wrote it?"
+    )
     tail = char_ids("\n\nQuestion: Who wrote it?\nAnswer:")
     for r in reqs:
         assert len(r.prompt) == 3000 and r.max_tokens == 16
-        assert r.prompt[-len(tail):] == tail
+        assert r.prompt[-len(tail) :] == tail
         window = "".join(map(chr, r.prompt[: -len(tail)]))
         assert window in text
 

@@ -71,8 +71,15 @@ def test_itl_rejects_mismatched_lengths():
 
 # ---- one request -----------------------------------------------------------------------------------------
 def test_request_ttft_tpot_and_e2e():
-    r = RequestRecord(True, start=10.0, end=14.0, input_tokens=32, output_tokens=5,
-                      chunk_times=(11.0, 12.0, 12.5, 13.0, 14.0), chunk_tokens=(1, 1, 1, 1, 1))
+    r = RequestRecord(
+        True,
+        start=10.0,
+        end=14.0,
+        input_tokens=32,
+        output_tokens=5,
+        chunk_times=(11.0, 12.0, 12.5, 13.0, 14.0),
+        chunk_tokens=(1, 1, 1, 1, 1),
+    )
     assert r.ttft == 1.0
     assert r.e2e == 4.0
     assert r.tpot == 0.75  # (4 - 1) / (5 - 1)
@@ -85,8 +92,9 @@ def test_request_with_one_token_has_no_tpot_and_without_chunks_no_ttft():
 
 # ---- the summary -----------------------------------------------------------------------------------------
 def _records() -> list[RequestRecord]:
-    a = RequestRecord(True, 0.0, 0.4, input_tokens=30, output_tokens=3, chunk_times=(0.1, 0.2, 0.4),
-                      chunk_tokens=(1, 1, 1))
+    a = RequestRecord(
+        True, 0.0, 0.4, input_tokens=30, output_tokens=3, chunk_times=(0.1, 0.2, 0.4), chunk_tokens=(1, 1, 1)
+    )
     b = RequestRecord(True, 0.5, 1.5, input_tokens=34, output_tokens=3, chunk_times=(0.8, 1.5), chunk_tokens=(1, 2))
     bad = RequestRecord.failure(0.2, 0.3, "CapacityExhausted: no room")
     return [a, bad, b, RequestRecord.failure(1.0, 1.0, "CapacityExhausted: no room")]

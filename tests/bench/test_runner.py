@@ -77,7 +77,8 @@ def test_the_deadline_cancels_running_requests_and_skips_unsent_ones():
     records, duration = run(target, ["p"] * 3, LoadConfig(concurrency=1, timeout_s=0.2))
     assert duration < 2.0
     assert [r.error for r in records] == ["cancelled: the benchmark's --timeout was reached"] + [
-        "not sent: the benchmark's --timeout was reached"] * 2
+        "not sent: the benchmark's --timeout was reached"
+    ] * 2
     assert target.in_flight == 0
 
 

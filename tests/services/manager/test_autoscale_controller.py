@@ -16,6 +16,7 @@ from infinite_llm.services.manager.autoscale import (
     Action,
     Autoscaler,
     AutoscaleSettings,
+    Decision,
     DrainGuard,
     ScalingConfig,
 )
@@ -188,6 +189,36 @@ def test_the_loop_keeps_going_through_errors(etcd_server, etcd_prefix):
             await asyncio.sleep(0.3)
             await autoscaler.stop()
             assert sts.patches == [2]
+
+    asyncio.run(scenario())
+
+
+def test_a_placement_finishing_while_the_ledger_is_read_keeps_the_server():
+    """The in-flight count is taken before the ledger is read: a reservation committed in between (its ledger
+    entry written after that read) still counts, so the server is not removed with rBlocks on it."""
+
+    async def scenario():
+        servers, guard = pool_of(2)
+        reservation = await guard.reserve("attention-1", "s", 2)
+
+        class Manager:
+            is_leader = True
+
+            async def cluster_state(self):
+                members = [
+                    MemberState(MemberInfo(f"attention-{i}", "x:1", 8, 16), free, 0.0, False)
+                    for i, free in ((0, 8), (1, 6))
+                ]
+                state = ClusterState("m1", members, {})  # the ledger as read: before the placement's write
+                await guard.commit("attention-1", reservation.reservation_id)  # ... which lands meanwhile
+                return state
+
+        sts = FakeStatefulSet(2)
+        autoscaler = Autoscaler(Manager(), guard, sts, AutoscaleSettings("attention", policy=IMMEDIATE), Clock())
+        autoscaler.policy.commit(Decision(Action.DRAIN, 2, 1), 0)  # server 1 is being drained
+        d = await autoscaler.tick()
+        assert (d.action, d.reason) == (Action.HOLD, "draining server 1: 1 rBlocks left")
+        assert sts.patches == [] and guard.in_flight("attention-1") == 0
 
     asyncio.run(scenario())
 

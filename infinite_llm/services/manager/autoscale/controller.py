@@ -115,9 +115,13 @@ class Autoscaler:
         if not self.manager.is_leader:
             return None
         replicas = await asyncio.to_thread(self.scaler.get_replicas)
+        # Count reservations in flight before reading the ledger: a placement writes the ledger before it
+        # commits (and leaves this count), so every rBlock shows in one or the other.
+        in_flight = self.guard.in_flight_counts()
         state = await self.manager.cluster_state()
         now = self._clock()
-        decision = self.policy.decide(observe(state, replicas, self.settings.statefulset, self.guard.in_flight), now)
+        obs = observe(state, replicas, self.settings.statefulset, lambda sid: in_flight.get(sid, 0))
+        decision = self.policy.decide(obs, now)
         if decision.action in (Action.SCALE_UP, Action.SCALE_DOWN):
             await asyncio.to_thread(self.scaler.set_replicas, decision.replicas)
         self.policy.commit(decision, now)

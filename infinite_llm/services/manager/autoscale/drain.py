@@ -42,6 +42,10 @@ class DrainGuard:
         """Reservations on ``server_id`` that were requested and are not yet committed or cancelled."""
         return self._in_flight[server_id]
 
+    def in_flight_counts(self) -> dict[str, int]:
+        """A snapshot of :meth:`in_flight` for every server that has any."""
+        return dict(self._in_flight)
+
     async def reserve(self, server_id: str, seq_id: str, n: int) -> Reservation:
         """As ``BlockServers.reserve``; raises CapacityExhausted at once if ``server_id`` is draining."""
         if server_id in self._draining:

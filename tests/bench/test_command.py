@@ -1,0 +1,39 @@
+"""``infinite-llm bench`` flags: every one is documented, bad ones exit 2, an unreachable target exits 1."""
+
+from __future__ import annotations
+
+import typer
+from typer.testing import CliRunner
+
+from infinite_llm.cli import app
+from infinite_llm.state.etcd_launcher import free_port
+
+runner = CliRunner()
+
+
+def test_every_bench_flag_has_help():
+    command = typer.main.get_command(app).commands["bench"]
+    names = {p.name: p.help for p in command.params}
+    assert set(names) >= {
+        "backend", "target", "dataset", "dataset_path", "input_len", "output_len", "range_ratio", "num_requests",
+        "concurrency", "request_rate", "seed", "temperature", "ignore_eos", "timeout", "output_json", "json_output",
+    }  # fmt: skip
+    assert [name for name, text in names.items() if not text] == []
+
+
+def test_a_file_dataset_without_a_path_exits_2():
+    result = runner.invoke(app, ["bench", "--dataset", "jsonl"])
+    assert result.exit_code == 2
+    assert "--dataset jsonl needs --dataset-path" in result.output
+
+
+def test_a_zero_request_rate_exits_2():
+    result = runner.invoke(app, ["bench", "--request-rate", "0"])
+    assert result.exit_code == 2
+    assert "request rate must be positive (or inf), got 0.0" in result.output
+
+
+def test_an_unreachable_router_exits_1_before_sending_anything():
+    result = runner.invoke(app, ["bench", "--target", f"127.0.0.1:{free_port()}", "--num-requests", "1"])
+    assert result.exit_code == 1
+    assert "does not tokenize: Unavailable" in result.output
