@@ -130,13 +130,15 @@ def serve_compute(
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one step.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill).")] = 512,
     metrics_port: MetricsPort = 0,
+    device: Annotated[str, typer.Option(help="Where the dense layers run: cpu or cuda.")] = "cpu",
 ) -> None:
     """Compute instance: dense layers + scheduler; attention on the attention servers."""
     from infinite_llm.services.compute.server import ComputeConfig, serve
 
     config = ComputeConfig(manager_address=manager, host=host, port=port, instance_id=instance_id, model=model,
                            dtype=_dtype(dtype), block_size=block_size, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, metrics_port=metrics_port)
+                           max_num_batched_tokens=max_num_batched_tokens, metrics_port=metrics_port,
+                           device=device)
     asyncio.run(serve(config))
 
 

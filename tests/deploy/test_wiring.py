@@ -120,7 +120,10 @@ def test_manager_role_grants_only_what_the_autoscaler_calls(rendered, render):
     assert calls == [("get", ("attention", NS)), ("patch", ("attention", NS))]
 
 
-def sources(docs: list[dict], rule: dict) -> list[str]:
+def sources(docs: list[dict], rule: dict) -> list[str] | str:
+    """Workloads a rule admits; ``"anyone"`` for a rule without ``from`` (any source)."""
+    if "from" not in rule:
+        return "anyone"
     return names([w for peer in rule["from"] for w in selected(docs, peer["podSelector"], NS)])
 
 
@@ -137,8 +140,9 @@ def test_network_policies_let_only_mesh_components_in(rendered, render):
             [(sources(docs, r), [p["port"] for p in r["ports"]]) for r in spec["ingress"]],
         )
     assert got == {
-        "attention": (["attention"], [(["attention", "compute", "manager"], ["grpc"])]),
-        "manager": (["manager"], [(["attention", "compute"], ["grpc"])]),
+        # gRPC only from mesh components; the metrics port (no KV, no control) from any scraper.
+        "attention": (["attention"], [(["attention", "compute", "manager"], ["grpc"]), ("anyone", ["metrics"])]),
+        "manager": (["manager"], [(["attention", "compute"], ["grpc"]), ("anyone", ["metrics"])]),
         "etcd": (["etcd"], [(["etcd", "manager"], ["grpc"]), (["etcd"], ["peer"])]),
     }
 

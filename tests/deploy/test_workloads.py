@@ -77,8 +77,12 @@ def test_probes_target_the_service_port(rendered, render, component):
     assert c["name"] == container_name
     named = [p for p in c["ports"] if p["name"] == port_name]
     assert [p["containerPort"] for p in named] == [port]
-    # STYLE.md: one named grpc port (etcd also has its peer port; the gateway speaks HTTP).
-    assert [p["name"] for p in c["ports"]] == (["grpc", "peer"] if component == "state-store" else [port_name])
+    # STYLE.md: one named grpc port (etcd also has its peer port; the gateway speaks HTTP and serves /metrics
+    # on it); every other service also serves Prometheus /metrics on its own "metrics" port.
+    expected = {"state-store": ["grpc", "peer"], "gateway": [port_name]}.get(component, [port_name, "metrics"])
+    assert [p["name"] for p in c["ports"]] == expected
+    if "metrics" in expected:
+        assert "--metrics-port=$(METRICS_PORT)" in c["args"]
     probes = {k: c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
     if probe_kind == "grpc":
         for kind_, probe in probes.items():

@@ -147,8 +147,8 @@ class RemoteKV:
             futures.append(
                 (server, items, time.perf_counter(), self._stub(server).AttendStep.future(req, timeout=self.timeout_s))
             )
-        outs = torch.zeros(len(futures), t, h, d, dtype=q.dtype)
-        lses = torch.full((len(futures), t, h), float("-inf"), dtype=torch.float32)
+        outs = torch.zeros(len(futures), t, h, d, dtype=q.dtype, device=q.device)
+        lses = torch.full((len(futures), t, h), float("-inf"), dtype=torch.float32, device=q.device)
         for j, (server, items, started, fut) in enumerate(futures):
             try:
                 reply = fut.result()
@@ -160,8 +160,9 @@ class RemoteKV:
                 self._on_rpc(server, took)
             for (_, rows), part in zip(items, reply.partials, strict=True):
                 idx = torch.tensor(rows, dtype=torch.int64)
-                outs[j, idx] = decode_tensor(part.partial_out, field="partial_out").to(q.dtype)
-                lses[j, idx] = decode_tensor(part.lse, field="lse")
+                idx = idx.to(q.device)
+                outs[j, idx] = decode_tensor(part.partial_out, field="partial_out").to(q.device, q.dtype)
+                lses[j, idx] = decode_tensor(part.lse, field="lse").to(q.device)
         self.layer_rpc_seconds += time.perf_counter() - fan_out_start
         self.layer_rpc_count += 1
         if len(futures) == 1:
@@ -189,7 +190,7 @@ def _seq_attend(item: HolderSeqStep, rows: list[int], q: torch.Tensor, k: torch.
     sel = torch.tensor(rows, dtype=torch.int64)
     msg = apb.SeqAttend(
         seq_id=item.seq_id,
-        query=encode_tensor(q[sel]),
+        query=encode_tensor(q[sel].cpu()),
         query_positions=item.query_positions,
         context_len=item.context_len,
         block_ids=item.block_ids,
@@ -198,6 +199,6 @@ def _seq_attend(item: HolderSeqStep, rows: list[int], q: torch.Tensor, k: torch.
     )
     if item.new_token_rows:
         new = sel[torch.tensor(item.new_token_rows, dtype=torch.int64)]
-        msg.key.CopyFrom(encode_tensor(k[new]))
-        msg.value.CopyFrom(encode_tensor(v[new]))
+        msg.key.CopyFrom(encode_tensor(k[new].cpu()))
+        msg.value.CopyFrom(encode_tensor(v[new].cpu()))
     return msg

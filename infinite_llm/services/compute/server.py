@@ -42,6 +42,7 @@ class ComputeConfig:
     max_num_batched_tokens: int = 512
     rpc_timeout_s: float = 30.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
+    device: str = "cpu"  # where the dense layers run: cpu or cuda
 
     def __post_init__(self) -> None:
         if not self.manager_address:
@@ -64,6 +65,7 @@ def build_engine(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         dtype=config.dtype,
+        device=config.device,
     )
     engine = LLMEngine.from_weights(model_config, state_dict, tokenizer, engine_config, kv=kv)
     return engine, kv, resolved.name
