@@ -20,7 +20,6 @@ from infinite_llm.core.rmanager import HolderSeqStep, KVLayout, RManager
 from infinite_llm.services.attention.types import HolderStats, SeqAttendParams, SeqPartialResult
 from infinite_llm.services.attention.validation import check_payload, check_step
 
-
 RESERVATION_TTL_S = 60.0  # an uncommitted reservation older than this was orphaned (seconds)
 
 
