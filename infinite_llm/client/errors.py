@@ -9,29 +9,14 @@ from __future__ import annotations
 import grpc
 
 from infinite_llm.core.errors import (
+    Cancelled,
     CapacityExhausted,
+    DeadlineExceeded,
     InfiniteLLMError,
     InvalidRequest,
     NotFound,
     Unavailable,
 )
-
-
-class DeadlineExceeded(InfiniteLLMError):
-    """The call ran out of time."""
-
-    grpc_code = "DEADLINE_EXCEEDED"
-    http_status = 504
-    openai_type = "timeout_error"
-
-
-class Cancelled(InfiniteLLMError):
-    """The call was cancelled (by the caller or a peer)."""
-
-    grpc_code = "CANCELLED"
-    http_status = 499
-    openai_type = "server_error"
-
 
 _BY_CODE: dict[grpc.StatusCode, type[InfiniteLLMError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,

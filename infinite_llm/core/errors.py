@@ -58,3 +58,19 @@ class Unavailable(InfiniteLLMError):
     grpc_code = "UNAVAILABLE"
     http_status = 503
     openai_type = "server_error"
+
+
+class DeadlineExceeded(InfiniteLLMError):
+    """The request ran out of time (its deadline passed before or during a call)."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+    http_status = 504
+    openai_type = "timeout_error"
+
+
+class Cancelled(InfiniteLLMError):
+    """The call was cancelled (by the caller or a peer)."""
+
+    grpc_code = "CANCELLED"
+    http_status = 499
+    openai_type = "server_error"

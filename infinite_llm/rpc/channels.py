@@ -13,17 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from infinite_llm.core.errors import InfiniteLLMError
+from infinite_llm.core.errors import DeadlineExceeded
 from infinite_llm.rpc.interceptors import DefaultDeadlineInterceptor, RequestIdClientInterceptor
 from infinite_llm.rpc.options import DEFAULT_TIMEOUT_S, channel_options
-
-
-class DeadlineExceeded(InfiniteLLMError):
-    """A request ran out of time before a downstream call could start."""
-
-    grpc_code = "DEADLINE_EXCEEDED"
-    http_status = 504
-    openai_type = "timeout_error"
 
 
 def aio_channel(
