@@ -150,3 +150,37 @@ def test_bf16_inputs_computed_in_fp32():
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref = _sdpa(q, k_cache.float().flatten(0, 1)[:6], v_cache.float().flatten(0, 1)[:6], torch.tensor([5]))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_long_decode_goes_chunk_by_chunk_and_equals_sdpa(num_heads, num_kv_heads, monkeypatch):
+    """Contexts above LONG_DECODE_BLOCKS rBlocks take the chunked path; it must equal SDPA exactly too.
+
+    The thresholds are lowered so small shapes cross them (and a chunk boundary falls mid-context)."""
+    from infinite_llm.core import attention
+
+    monkeypatch.setattr(attention, "LONG_DECODE_BLOCKS", 8)
+    monkeypatch.setattr(attention, "CHUNK_BLOCKS", 3)
+    calls = []
+    real = attention._decode_chunked
+    monkeypatch.setattr(attention, "_decode_chunked", lambda *a: calls.append(1) or real(*a))
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    block_size, head_dim = 4, 16
+    ctx_lens = [150, 5, 1, 77]
+    seqs_kv = [(torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)) for n in ctx_lens]
+    k_cache, v_cache, tables = _store(seqs_kv, block_size, num_kv_heads, head_dim, rng)
+    q_positions = torch.tensor([n - 1 for n in ctx_lens])
+    q = torch.randn(len(ctx_lens), num_heads, head_dim)
+    halves = [_random_partition(len(t), 2, rng) for t in tables]  # two holders, scattered blocks
+    outs, lses = [], []
+    for p in range(2):
+        held = [[(i, tables[s][i]) for i in halves[s][p]] for s in range(len(ctx_lens))]
+        meta = _meta(held, [1] * len(ctx_lens), q_positions, ctx_lens)
+        o, lse = partial_attention(q, k_cache, v_cache, meta)
+        outs.append(o)
+        lses.append(lse)
+    out, _ = merge_partials(outs, lses)
+    assert len(calls) == 2  # both holders had a sequence over the threshold
+    for s, (k, v) in enumerate(seqs_kv):
+        torch.testing.assert_close(out[s : s + 1], _sdpa(q[s : s + 1], k, v, q_positions[s : s + 1]), atol=TOL, rtol=0)
