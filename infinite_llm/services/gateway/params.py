@@ -122,9 +122,8 @@ def max_tokens(req: SamplingFields, prompt_len: int, max_model_len: int, chat: b
 
 
 def finish_reason(engine_reason: str | None) -> str:
-    """OpenAI's ``finish_reason`` for the engine's: stop and length carry over; an abort is an error."""
-    if engine_reason in ("stop", "length"):
+    """The ``finish_reason`` to report: ``stop``, ``length``, or ``abort`` for a request aborted in the mesh
+    (a Router ``Abort``: the output so far is partial), as vLLM's OpenAI server reports it."""
+    if engine_reason in ("stop", "length", "abort"):
         return engine_reason
-    if engine_reason == "abort":
-        raise RequestAborted("the request was aborted in the mesh before it finished; its output is partial")
     raise RequestAborted(f"the request ended without a finish reason ({engine_reason!r})")
