@@ -23,13 +23,14 @@ def aio_channel(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    extra_options: Sequence[tuple[str, int | str]] = (),
 ) -> grpc.aio.Channel:
     """An insecure ``grpc.aio`` channel to ``target`` (``host:port``) with the shared options.
 
     Calls without a ``timeout`` get ``timeout_s`` seconds; calls carry the current request id.
     """
     chain = [RequestIdClientInterceptor(), DefaultDeadlineInterceptor(timeout_s), *interceptors]
-    return grpc.aio.insecure_channel(target, options=channel_options(), interceptors=chain)
+    return grpc.aio.insecure_channel(target, options=[*channel_options(), *extra_options], interceptors=chain)
 
 
 def sync_channel(target: str) -> grpc.Channel:

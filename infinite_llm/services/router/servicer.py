@@ -30,7 +30,12 @@ DEFAULT_TIMEOUT_S = 600.0  # a generation without a client deadline gets this lo
 class _Instance:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.stub = cgrpc.ComputeInstanceStub(aio_channel(address, timeout_s=DEFAULT_TIMEOUT_S))
+        # round_robin: a dns:/// address naming several pods (a headless Service) spreads requests over all
+        # of them; a plain host:port is one instance either way.
+        channel = aio_channel(
+            address, timeout_s=DEFAULT_TIMEOUT_S, extra_options=[("grpc.lb_policy_name", "round_robin")]
+        )
+        self.stub = cgrpc.ComputeInstanceStub(channel)
         self.in_flight = 0
 
 
