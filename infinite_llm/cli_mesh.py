@@ -63,9 +63,17 @@ def serve_attention(
 
     _dtype(dtype)
     config = AttentionServerConfig.for_model(
-        load_model_config(resolve_model(model)), server_id=server_id, kv_memory_bytes=_size(kv_memory),
-        dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype), block_size=block_size, host=host,
-        port=port, device=device, manager_address=manager, advertise_host=advertise_host, metrics_port=metrics_port,
+        load_model_config(resolve_model(model)),
+        server_id=server_id,
+        kv_memory_bytes=_size(kv_memory),
+        dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype),
+        block_size=block_size,
+        host=host,
+        port=port,
+        device=device,
+        manager_address=manager,
+        advertise_host=advertise_host,
+        metrics_port=metrics_port,
     )
     sys.exit(main(config))
 
@@ -77,28 +85,48 @@ def serve_manager(
     port: Annotated[int, typer.Option(help="gRPC port.")] = 50050,
     manager_id: Annotated[str, typer.Option(help="Identity in the leader election.")] = "manager-0",
     member_ttl: Annotated[int, typer.Option(help="Seconds a server stays listed without heartbeats.")] = 10,
-    k8s_statefulset: Annotated[str, typer.Option(
-        help="Scale this attention-server StatefulSet with the KV pressure ('' = no autoscaling; in a pod).",
-        rich_help_panel="Elastic attention pool")] = "",
-    k8s_namespace: Annotated[str, typer.Option(
-        help="Its namespace ('' = this pod's).", rich_help_panel="Elastic attention pool")] = "",
-    min_replicas: Annotated[int, typer.Option(help="Fewest attention servers.",
-                                              rich_help_panel="Elastic attention pool")] = 1,
-    max_replicas: Annotated[int, typer.Option(help="Most attention servers.",
-                                              rich_help_panel="Elastic attention pool")] = 8,
-    scale_up_below: Annotated[float, typer.Option(
-        help="Add a server when the free fraction of rBlocks stays below this.",
-        rich_help_panel="Elastic attention pool")] = 0.10,
-    scale_down_above: Annotated[float, typer.Option(
-        help="Drain and remove one when it stays above this.", rich_help_panel="Elastic attention pool")] = 0.60,
-    scale_up_after: Annotated[float, typer.Option(help="Seconds the pressure must last before adding.",
-                                                  rich_help_panel="Elastic attention pool")] = 30.0,
-    scale_down_after: Annotated[float, typer.Option(help="Seconds the surplus must last before draining.",
-                                                    rich_help_panel="Elastic attention pool")] = 300.0,
-    scale_cooldown: Annotated[float, typer.Option(help="Seconds after a change before the next one.",
-                                                  rich_help_panel="Elastic attention pool")] = 120.0,
-    autoscale_interval: Annotated[float, typer.Option(help="Seconds between two looks at the pool.",
-                                                      rich_help_panel="Elastic attention pool")] = 5.0,
+    k8s_statefulset: Annotated[
+        str,
+        typer.Option(
+            help="Scale this attention-server StatefulSet with the KV pressure ('' = no autoscaling; in a pod).",
+            rich_help_panel="Elastic attention pool",
+        ),
+    ] = "",
+    k8s_namespace: Annotated[
+        str, typer.Option(help="Its namespace ('' = this pod's).", rich_help_panel="Elastic attention pool")
+    ] = "",
+    min_replicas: Annotated[
+        int, typer.Option(help="Fewest attention servers.", rich_help_panel="Elastic attention pool")
+    ] = 1,
+    max_replicas: Annotated[
+        int, typer.Option(help="Most attention servers.", rich_help_panel="Elastic attention pool")
+    ] = 8,
+    scale_up_below: Annotated[
+        float,
+        typer.Option(
+            help="Add a server when the free fraction of rBlocks stays below this.",
+            rich_help_panel="Elastic attention pool",
+        ),
+    ] = 0.10,
+    scale_down_above: Annotated[
+        float,
+        typer.Option(help="Drain and remove one when it stays above this.", rich_help_panel="Elastic attention pool"),
+    ] = 0.60,
+    scale_up_after: Annotated[
+        float,
+        typer.Option(help="Seconds the pressure must last before adding.", rich_help_panel="Elastic attention pool"),
+    ] = 30.0,
+    scale_down_after: Annotated[
+        float,
+        typer.Option(help="Seconds the surplus must last before draining.", rich_help_panel="Elastic attention pool"),
+    ] = 300.0,
+    scale_cooldown: Annotated[
+        float,
+        typer.Option(help="Seconds after a change before the next one.", rich_help_panel="Elastic attention pool"),
+    ] = 120.0,
+    autoscale_interval: Annotated[
+        float, typer.Option(help="Seconds between two looks at the pool.", rich_help_panel="Elastic attention pool")
+    ] = 5.0,
     metrics_port: MetricsPort = 0,
 ) -> None:
     """Global manager: membership, capacity view and rBlock placement ledger in etcd."""
@@ -108,11 +136,25 @@ def serve_manager(
     try:
         autoscale = None
         if k8s_statefulset:
-            policy = ScalingConfig(min_replicas, max_replicas, scale_up_below, scale_down_above, scale_up_after,
-                                   scale_down_after, scale_cooldown)
+            policy = ScalingConfig(
+                min_replicas,
+                max_replicas,
+                scale_up_below,
+                scale_down_above,
+                scale_up_after,
+                scale_down_after,
+                scale_cooldown,
+            )
             autoscale = AutoscaleSettings(k8s_statefulset, k8s_namespace, policy, autoscale_interval)
-        config = ManagerServerConfig(etcd=etcd, host=host, port=port, manager_id=manager_id, member_ttl_s=member_ttl,
-                                     autoscale=autoscale, metrics_port=metrics_port)
+        config = ManagerServerConfig(
+            etcd=etcd,
+            host=host,
+            port=port,
+            manager_id=manager_id,
+            member_ttl_s=member_ttl,
+            autoscale=autoscale,
+            metrics_port=metrics_port,
+        )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     asyncio.run(serve(config))
@@ -135,10 +177,19 @@ def serve_compute(
     """Compute instance: dense layers + scheduler; attention on the attention servers."""
     from infinite_llm.services.compute.server import ComputeConfig, serve
 
-    config = ComputeConfig(manager_address=manager, host=host, port=port, instance_id=instance_id, model=model,
-                           dtype=_dtype(dtype), block_size=block_size, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, metrics_port=metrics_port,
-                           device=device)
+    config = ComputeConfig(
+        manager_address=manager,
+        host=host,
+        port=port,
+        instance_id=instance_id,
+        model=model,
+        dtype=_dtype(dtype),
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        metrics_port=metrics_port,
+        device=device,
+    )
     asyncio.run(serve(config))
 
 
@@ -153,8 +204,11 @@ def serve_router(
     """Router: the public gRPC API (Generate, GenerateStream, Abort, ListModels, Tokenize)."""
     from infinite_llm.services.router.server import RouterConfig, serve
 
-    asyncio.run(serve(RouterConfig(compute_addresses=tuple(compute), host=host, port=port, model=model,
-                                   metrics_port=metrics_port)))
+    asyncio.run(
+        serve(
+            RouterConfig(compute_addresses=tuple(compute), host=host, port=port, model=model, metrics_port=metrics_port)
+        )
+    )
 
 
 @serve_app.command("gateway")
@@ -162,8 +216,12 @@ def serve_gateway(
     router: Annotated[str, typer.Option(help="Router HOST:PORT.")] = "127.0.0.1:50051",
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
-    api_key: Annotated[str | None, typer.Option(
-        envvar="INFINITE_LLM_API_KEY", help="Require 'Authorization: Bearer <key>' on /v1 (default: none).")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="INFINITE_LLM_API_KEY", help="Require 'Authorization: Bearer <key>' on /v1 (default: none)."
+        ),
+    ] = None,
     model: Model = None,
 ) -> None:
     """OpenAI-compatible REST gateway: /v1/completions, /v1/chat/completions, /v1/models, /health."""
@@ -189,9 +247,16 @@ def up(
     """Start etcd, the manager, attention servers, compute instances, the router and the gateway on loopback."""
     from infinite_llm.mesh import LocalMesh, MeshConfig
 
-    config = MeshConfig(attention_servers=attention_servers, compute_instances=compute_instances,
-                        kv_memory_bytes=_size(kv_memory), router_port=port, manager_port=manager_port,
-                        model=model, block_size=block_size, gateway_port=gateway_port)
+    config = MeshConfig(
+        attention_servers=attention_servers,
+        compute_instances=compute_instances,
+        kv_memory_bytes=_size(kv_memory),
+        router_port=port,
+        manager_port=manager_port,
+        model=model,
+        block_size=block_size,
+        gateway_port=gateway_port,
+    )
     mesh = LocalMesh(config)
     with err.status("starting the mesh (etcd, manager, servers, compute, router, gateway)...", spinner="dots"):
         mesh.start()
@@ -220,8 +285,10 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
     for p in mesh.procs:
         table.add_row(p.name, p.address, str(p.log_path))
     Console().print(table)
-    Console().print(f"router: {mesh.router_address}    manager: {mesh.manager_address}    "
-                    f"OpenAI API: http://{mesh.gateway_address}/v1    (Ctrl-C stops all)")
+    Console().print(
+        f"router: {mesh.router_address}    manager: {mesh.manager_address}    "
+        f"OpenAI API: http://{mesh.gateway_address}/v1    (Ctrl-C stops all)"
+    )
 
 
 def status(

@@ -53,8 +53,9 @@ async def serve(config: ManagerServerConfig) -> None:
     holder: list[GlobalManagerServicer] = []
     servers = GrpcBlockServers(lambda sid: holder[0].address_of(sid))
     guard = DrainGuard(servers) if scale is not None else None
-    manager = GlobalManager(store, guard or servers, ManagerConfig(config.manager_id, config.member_ttl_s,
-                                                                   config.leader_ttl_s))
+    manager = GlobalManager(
+        store, guard or servers, ManagerConfig(config.manager_id, config.member_ttl_s, config.leader_ttl_s)
+    )
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
     registry = CollectorRegistry()
     servicer = GlobalManagerServicer(manager, ManagerMetrics(registry))
@@ -67,8 +68,12 @@ async def serve(config: ManagerServerConfig) -> None:
     if scale is not None:
         autoscaler = Autoscaler(manager, guard, scaler, scale)
         autoscaler.start()
-        log.info("scaling StatefulSet %s between %d and %d attention servers", scale.statefulset,
-                 scale.policy.min_replicas, scale.policy.max_replicas)
+        log.info(
+            "scaling StatefulSet %s between %d and %d attention servers",
+            scale.statefulset,
+            scale.policy.min_replicas,
+            scale.policy.max_replicas,
+        )
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
