@@ -4,7 +4,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
-MODEL_STAMP := .model_cache/.fetched
 
 .PHONY: install model run test lint bench clean
 
@@ -43,7 +42,7 @@ bench: install model
 	$(BIN)/python benchmarks/mesh_overhead.py
 
 clean:
-	rm -rf $(VENV) .model_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 # Generated protobuf/gRPC code is checked in (installs need no protoc); protos/generate.py documents the
 # layout. proto-check regenerates into a temporary directory and fails when the committed code is stale.
