@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from infinite_llm.core.errors import InfiniteLLMError
+from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound
 
 app = typer.Typer(
     add_completion=False,
@@ -23,7 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Infinite-LLM: long-context LLM serving.",
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # a message is one line, whatever the terminal width
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
@@ -68,6 +68,8 @@ def generate(
     from infinite_llm.engine import EngineConfig, LLMEngine
 
     text = _read_prompt(prompt, prompt_file)
+    if not text:
+        raise InvalidRequest("prompt is empty")  # before loading the model
     if router is not None:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()))
         SamplingParams(max_tokens=max_tokens, **sampling)  # same validation and messages as locally
@@ -177,9 +179,15 @@ def main() -> None:
     setup_logging()
     try:
         app(auto_envvar_prefix="INFINITE_LLM")
+    except (InvalidRequest, NotFound, CapacityExhausted) as e:
+        err.print(f"[red]error:[/red] {e.message}")
+        sys.exit(2)  # the request or the flags were wrong
+    except ValueError as e:  # a config dataclass refused a flag value
+        err.print(f"[red]error:[/red] {e}")
+        sys.exit(2)
     except InfiniteLLMError as e:
         err.print(f"[red]error:[/red] {e.message}")
-        sys.exit(2)
+        sys.exit(1)  # the service side failed (unreachable, deadline, ...)
 
 
 if __name__ == "__main__":

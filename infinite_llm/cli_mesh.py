@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 serve_app = typer.Typer(no_args_is_help=True, help="Run one service of the mesh.")
 
 Host = Annotated[str, typer.Option(help="Interface to listen on.")]
@@ -265,10 +265,17 @@ def up(
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())
+        reported: set[str] = set()
         while not done.wait(1.0):
-            dead = [p.name for p in mesh.procs if not p.alive()]
-            if dead:
-                err.print(f"[red]exited:[/red] {', '.join(dead)}; logs in {mesh.log_dir}")
+            dead = [p for p in mesh.procs if not p.alive() and p.name not in reported]
+            for p in dead:
+                reported.add(p.name)
+                err.print(f"[yellow]{p.name} exited[/yellow] (log: {p.log_path})")
+            if any(p.role != "attention" for p in dead):
+                # The mesh survives losing attention servers (their sequences are recomputed elsewhere);
+                # without the manager, a compute instance, the router or the gateway it cannot serve.
+                err.print("[red]a service the mesh cannot run without exited[/red]")
+                mesh.keep_logs = True
                 break
     finally:
         err.print("stopping the mesh...")
@@ -279,12 +286,14 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
     table = Table(title="local mesh")
     table.add_column("service")
     table.add_column("listens on")
+    table.add_column("metrics")
     table.add_column("log")
     if mesh.etcd is not None:
-        table.add_row("etcd", f"{mesh.etcd.host}:{mesh.etcd.client_port}", str(mesh.etcd.log_path))
+        table.add_row("etcd", f"{mesh.etcd.host}:{mesh.etcd.client_port}", "", str(mesh.etcd.log_path))
     for p in mesh.procs:
-        table.add_row(p.name, p.address, str(p.log_path))
-    Console().print(table)
+        metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else ""
+        table.add_row(p.name, p.address, metrics, str(p.log_path))
+    Console(soft_wrap=True).print(table)
     Console().print(
         f"router: {mesh.router_address}    manager: {mesh.manager_address}    "
         f"OpenAI API: http://{mesh.gateway_address}/v1    (Ctrl-C stops all)"

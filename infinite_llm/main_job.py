@@ -22,8 +22,8 @@ from infinite_llm.models.registry import load_model_config, load_tokenizer, reso
 
 DOC = "/usr/share/common-licenses/Apache-2.0"
 QUESTION = "According to this license, what must you do when you redistribute the Work? Answer briefly."
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)  # lines are not cut at 80 columns when stdout is not a terminal
+err = Console(stderr=True, soft_wrap=True)
 
 
 def build_prompt(tokenizer, doc: str, question: str) -> list[int]:  # noqa: ANN001

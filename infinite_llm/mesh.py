@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,7 @@ class LocalMesh:
     etcd: EtcdProcess | None = None
     procs: list[Proc] = field(default_factory=list)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="infinite-llm-mesh-")))
+    keep_logs: bool = False  # keep log_dir (and etcd's data) after stop; set when something failed
 
     @property
     def router_address(self) -> str:
@@ -143,6 +145,7 @@ class LocalMesh:
             self._wait_healthy([gateway], check=http_health_check)
             self.wait_registered(c.attention_servers)
         except BaseException:
+            self.keep_logs = True  # the logs explain the failure
             self.stop()
             raise
         return self
@@ -216,20 +219,26 @@ class LocalMesh:
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every process (router first, etcd last), SIGKILL what is left after ``grace_s``."""
-        for p in reversed(self.procs):
-            if p.alive():
-                p.popen.terminate()
-        deadline = time.monotonic() + grace_s
-        for p in reversed(self.procs):
-            try:
-                p.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
+        """Stop in stages, front to back (gateway and router drain their streams while the services behind
+        them still answer, then compute instances, attention servers, the manager, etcd): SIGTERM each stage,
+        SIGKILL what is left of it after ``grace_s``. The log directory is removed unless ``keep_logs``."""
+        for roles in (("gateway", "router"), ("compute",), ("attention",), ("manager",)):
+            stage = [p for p in self.procs if p.role in roles]
+            for p in stage:
+                if p.alive():
+                    p.popen.terminate()
+            deadline = time.monotonic() + grace_s
+            for p in stage:
+                try:
+                    p.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        if not self.keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalMesh:
         return self.start()

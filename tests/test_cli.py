@@ -55,6 +55,8 @@ def test_chat_prompt_from_stdin_uses_the_chat_template(engine, tmp_path: Path):
         (["--prompt", "hi", "--max-tokens", "9000"], "exceeds the model's maximum length"),
         (["--prompt-file", "/nonexistent/file.txt"], "does not exist"),
         (["--prompt", "hi", "--model", "/nonexistent/model"], "does not exist"),
+        (["--prompt", "hi", "--block-size", "0"], "block_size must be >= 1, got 0"),
+        (["--prompt", "hi", "--num-partitions", "0"], "num_partitions must be >= 1, got 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(args, message):
@@ -62,4 +64,11 @@ def test_bad_input_exits_2_with_a_clear_message(args, message):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     flat = " ".join(proc.stderr.replace("│", " ").split())  # rich may box and wrap the message
     assert message in flat, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_an_unreachable_router_is_a_service_failure_exit_1():
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--max-tokens", "2")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:"), proc.stderr  # one line
     assert proc.stdout == ""

@@ -23,7 +23,7 @@ def _status(tmp_path, yaml_text: str | None, env: dict[str, str], *flags: str) -
     proc = subprocess.run(
         [*args, "status", *flags], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
     )
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # the manager is unreachable: a service-side failure
     return proc.stderr
 
 

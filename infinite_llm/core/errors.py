@@ -52,6 +52,20 @@ class CapacityExhausted(InfiniteLLMError):
     openai_type = "rate_limit_error"
 
 
+NEVER_FITS = "it can never fit"  # ends every KVCapacityExceeded message: survives a trip through gRPC status
+
+
+class KVCapacityExceeded(CapacityExhausted):
+    """The request alone needs more rBlocks than the whole KV memory holds: retrying cannot help.
+
+    Still RESOURCE_EXHAUSTED over gRPC; over HTTP a 400 ``context_length_exceeded`` (not a retryable 429).
+    """
+
+    http_status = 400
+    openai_type = "invalid_request_error"
+    openai_code = "context_length_exceeded"
+
+
 class Unavailable(InfiniteLLMError):
     """A needed peer (server, manager, instance) is not reachable."""
 

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, NotFound
+from infinite_llm.core.errors import NEVER_FITS, InvalidRequest, KVCapacityExceeded, NotFound
 from infinite_llm.core.sampling import SamplingParams
 
 
@@ -121,9 +121,9 @@ class Scheduler:
             raise InvalidRequest("prompt is empty")
         need = -(-(len(seq.prompt_token_ids) + seq.params.max_tokens) // self.blocks.block_size)
         if need > self.blocks.num_total_blocks:
-            raise CapacityExhausted(
+            raise KVCapacityExceeded(
                 f"request needs {need} rBlocks of {self.blocks.block_size} tokens, "
-                f"the KV memory holds {self.blocks.num_total_blocks} in all"
+                f"the KV memory holds {self.blocks.num_total_blocks} in all: {NEVER_FITS}"
             )
         self.waiting.append(seq)
 

@@ -20,8 +20,8 @@ P = "infinite_llm:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> int | None:
-    """Serve ``/metrics`` over HTTP on ``port`` (0 = off); returns the port or None."""
+def serve_metrics(registry: CollectorRegistry, port: int, host: str) -> int | None:
+    """Serve ``/metrics`` over HTTP on ``host:port`` (the service's own interface; port 0 = off)."""
     if not port:
         return None
     server, _ = start_http_server(port, addr=host, registry=registry)

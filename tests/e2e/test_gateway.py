@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from infinite_llm.client import Client, InvalidRequest, NotFound
-from infinite_llm.core.errors import ContextLengthExceeded
+from infinite_llm.core.errors import NEVER_FITS, CapacityExhausted, ContextLengthExceeded, KVCapacityExceeded
 from infinite_llm.models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
 from infinite_llm.services.admin import cluster_state
 from infinite_llm.services.gateway.app import create_app
@@ -271,11 +271,17 @@ def test_openai_client_raises_its_typed_errors(oai):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_request_larger_than_the_cluster_kv_memory_is_429(http, tokenizer, mesh, stream):
+def test_request_larger_than_the_cluster_kv_memory_is_a_non_retryable_400(http, tokenizer, mesh, stream):
     ids = _ids(tokenizer, 3 * BLOCKS_PER_SERVER * BLOCK_SIZE)  # alone it fills every rBlock of the mesh
     r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 8, "stream": stream})
-    assert r.status_code == 429, r.text
-    assert r.json()["error"]["type"] == "rate_limit_error" and "rBlocks" in r.json()["error"]["message"]
+    assert r.status_code == 400, r.text  # retrying can never help: not a 429
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "context_length_exceeded",
+        "prompt",
+    )
+    assert "rBlocks" in error["message"] and "never fit" in error["message"]
     _valid(http)
     assert wait_until(lambda: all_blocks_free(mesh))
 
@@ -285,6 +291,10 @@ def test_router_errors_map_to_the_gateway_errors():
     assert isinstance(mapped, ContextLengthExceeded) and mapped.openai_code == "context_length_exceeded"
     assert isinstance(from_router(NotFound("model 'x' is not served here")), ModelNotFound)
     assert type(from_router(InvalidRequest("top_p must be in (0, 1]"))) is InvalidRequest
+    never = from_router(CapacityExhausted(f"request needs 9 rBlocks, the KV memory holds 4 in all: {NEVER_FITS}"))
+    assert isinstance(never, KVCapacityExceeded) and never.http_status == 400
+    busy = from_router(CapacityExhausted("no rBlock free right now"))  # saturation stays a retryable 429
+    assert type(busy) is CapacityExhausted and busy.http_status == 429
 
 
 # ---- gateways built in-process: no router, an API key ---------------------------------------------------

@@ -154,8 +154,9 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
     setup_tracing("attention")
     server = await start(config)
     registry = CollectorRegistry()
-    AttentionMetrics(registry, config.server_id, server.servicer.holder.stats)
-    serve_metrics(registry, config.metrics_port)
+    metrics = AttentionMetrics(registry, config.server_id, server.servicer.holder.stats)
+    server.servicer.on_attend_step = metrics.attend_step.observe
+    serve_metrics(registry, config.metrics_port, config.host)
     registrar = None
     if config.manager_address:
         advertised = f"{config.advertise_host or config.host}:{server.port}"

@@ -8,6 +8,7 @@ typed (``core/errors.py``) and become status codes in ``rpc/interceptors/errors.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -29,6 +30,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
     """Serves one :class:`AttentionHolder`. Call :meth:`close` after the server stopped."""
 
     def __init__(self, holder: AttentionHolder, server_id: str) -> None:
+        self.on_attend_step: Callable[[float], None] | None = None  # seconds per AttendStep (metrics)
         self.holder = holder
         self.server_id = server_id
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rmanager-{server_id}")
@@ -84,7 +86,11 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
     def _attend_step(self, request: pb.AttendStepRequest) -> pb.AttendStepResponse:
         items = [_decode_seq(s) for s in request.seqs]
         reply = pb.AttendStepResponse()
-        for result in self.holder.attend_step(request.layer, items):
+        start = time.perf_counter()
+        results = self.holder.attend_step(request.layer, items)
+        if self.on_attend_step is not None:
+            self.on_attend_step(time.perf_counter() - start)
+        for result in results:
             part = reply.partials.add(seq_id=result.seq_id)
             codec.encode_tensor(result.partial_out, part.partial_out)
             codec.encode_tensor(result.lse, part.lse)

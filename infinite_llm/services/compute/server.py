@@ -83,7 +83,7 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     )
     rpc_hist.append(metrics.attention_rpc)
     loop.metrics = metrics
-    serve_metrics(registry, config.metrics_port)
+    serve_metrics(registry, config.metrics_port, config.host)
     loop.start()
     servicer = ComputeInstanceServicer(loop, config.instance_id, model_name, kv=kv)
     service = Service.of(

@@ -15,7 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infinite_llm.core.errors import ContextLengthExceeded, InfiniteLLMError, InvalidRequest, NotFound
+from infinite_llm.core.errors import (
+    NEVER_FITS,
+    CapacityExhausted,
+    ContextLengthExceeded,
+    InfiniteLLMError,
+    InvalidRequest,
+    KVCapacityExceeded,
+    NotFound,
+)
 from infinite_llm.services.gateway.protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,8 @@ def from_router(e: InfiniteLLMError) -> InfiniteLLMError:
         return ContextLengthExceeded(e.message, param="max_tokens")
     if isinstance(e, NotFound):
         return ModelNotFound(e.message, param="model")
+    if isinstance(e, CapacityExhausted) and e.message.endswith(NEVER_FITS):
+        return KVCapacityExceeded(e.message, param="prompt")
     return e
 
 

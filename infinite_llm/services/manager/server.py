@@ -59,7 +59,7 @@ async def serve(config: ManagerServerConfig) -> None:
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
     registry = CollectorRegistry()
     servicer = GlobalManagerServicer(manager, ManagerMetrics(registry))
-    serve_metrics(registry, config.metrics_port)
+    serve_metrics(registry, config.metrics_port, config.host)
     holder.append(servicer)
     service = Service.of(manager_pb2, "GlobalManager", manager_pb2_grpc.add_GlobalManagerServicer_to_server, servicer)
     server = await start_server([service], f"{config.host}:{config.port}")

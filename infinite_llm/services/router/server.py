@@ -47,7 +47,7 @@ async def serve(config: RouterConfig) -> None:
     setup_tracing("router")
     registry = CollectorRegistry()
     servicer = build_servicer(config, RouterMetrics(registry))
-    serve_metrics(registry, config.metrics_port)
+    serve_metrics(registry, config.metrics_port, config.host)
     service = Service.of(router_pb2, "Router", router_pb2_grpc.add_RouterServicer_to_server, servicer)
     server = await start_server([service], f"{config.host}:{config.port}")
     log.info("router listening on %s:%d -> %s", config.host, server.port, ", ".join(config.compute_addresses))
