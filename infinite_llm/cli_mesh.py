@@ -173,6 +173,10 @@ def serve_compute(
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill).")] = 512,
     metrics_port: MetricsPort = 0,
     device: Annotated[str, typer.Option(help="Where the dense layers run: cpu or cuda.")] = "cpu",
+    max_waiting: Annotated[
+        int,
+        typer.Option(help="Requests queued behind the running batch before new ones are refused (RESOURCE_EXHAUSTED)."),
+    ] = 1024,
 ) -> None:
     """Compute instance: dense layers + scheduler; attention on the attention servers."""
     from infinite_llm.services.compute.server import ComputeConfig, serve
@@ -189,6 +193,7 @@ def serve_compute(
         max_num_batched_tokens=max_num_batched_tokens,
         metrics_port=metrics_port,
         device=device,
+        max_waiting=max_waiting,
     )
     asyncio.run(serve(config))
 

@@ -45,6 +45,7 @@ class MeshConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    max_waiting: int = 1024  # per compute instance, before RESOURCE_EXHAUSTED
     member_ttl_s: int = 10
     startup_timeout_s: float = 180.0
     gateway_port: int = 8000  # OpenAI-compatible REST gateway (HTTP); 0 = any free port
@@ -131,6 +132,8 @@ class LocalMesh:
                         str(c.max_num_batched_tokens),
                         "--max-num-seqs",
                         str(c.max_num_seqs),
+                        "--max-waiting",
+                        str(c.max_waiting),
                         *self._model_args(),
                     ],
                 )

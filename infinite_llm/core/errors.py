@@ -52,6 +52,7 @@ class CapacityExhausted(InfiniteLLMError):
     openai_type = "rate_limit_error"
 
 
+RETRY_LATER = "retry later"  # ends a CapacityExhausted message for a full queue: another instance may take it
 NEVER_FITS = "it can never fit"  # ends every KVCapacityExceeded message: survives a trip through gRPC status
 
 

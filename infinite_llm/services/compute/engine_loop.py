@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from infinite_llm.core.errors import InfiniteLLMError, Unavailable
+from infinite_llm.core.errors import RETRY_LATER, CapacityExhausted, InfiniteLLMError, Unavailable
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import LLMEngine, RequestOutput
 from infinite_llm.observability.metrics import EngineMetrics
@@ -47,8 +47,12 @@ class _Abort:
 class EngineLoop:
     """Runs ``engine.step()`` on a daemon thread while there is work; thread-safe ``submit``/``abort``."""
 
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, max_waiting: int = 1024) -> None:
+        """``max_waiting``: requests queued behind the running batch before new ones are refused with
+        ``CapacityExhausted`` (RESOURCE_EXHAUSTED; HTTP 429 at the gateway): backpressure, not an unbounded
+        queue whose latency nobody can see."""
         self.engine = engine
+        self.max_waiting = max_waiting
         self.metrics = metrics
         self._contexts: dict[str, otel_context.Context] = {}
         self._last_token_at: dict[str, float] = {}
@@ -105,6 +109,14 @@ class EngineLoop:
                 return True
 
     def _apply(self, cmd: _Submit | _Abort) -> None:
+        if isinstance(cmd, _Submit) and len(self.engine.scheduler.waiting) >= self.max_waiting:
+            cmd.sink(
+                CapacityExhausted(
+                    f"{len(self.engine.scheduler.waiting)} requests are already waiting for this compute instance "
+                    f"(the most it queues is {self.max_waiting}); {RETRY_LATER}"
+                )
+            )
+            return
         if isinstance(cmd, _Submit):
             try:
                 self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id)

@@ -43,6 +43,7 @@ class ComputeConfig:
     rpc_timeout_s: float = 30.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
     device: str = "cpu"  # where the dense layers run: cpu or cuda
+    max_waiting: int = 1024  # queued requests before new ones get RESOURCE_EXHAUSTED (backpressure)
 
     def __post_init__(self) -> None:
         if not self.manager_address:
@@ -77,7 +78,7 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     registry = CollectorRegistry()
     rpc_hist: list = []
     engine, kv, model_name = build_engine(config, on_rpc=lambda s, t: rpc_hist[0].labels(server_id=s).observe(t))
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, max_waiting=config.max_waiting)
     metrics = EngineMetrics(
         registry, lambda: loop.num_running, lambda: loop.num_waiting, lambda: engine.num_preemptions
     )

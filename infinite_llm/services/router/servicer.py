@@ -15,7 +15,14 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from infinite_llm.client.errors import error_from_rpc
-from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.errors import (
+    RETRY_LATER,
+    CapacityExhausted,
+    InfiniteLLMError,
+    InvalidRequest,
+    NotFound,
+    Unavailable,
+)
 from infinite_llm.observability.metrics import RouterMetrics
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
@@ -70,9 +77,11 @@ class RouterServicer(rgrpc.RouterServicer):
         out.request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         return out
 
-    def _pick(self, tried: set[str]) -> _Instance:
+    def _pick(self, tried: set[str], last_error: InfiniteLLMError | None = None) -> _Instance:
         candidates = [i for i in self.instances if i.address not in tried]
         if not candidates:
+            if isinstance(last_error, CapacityExhausted):
+                raise last_error
             raise Unavailable("no compute instance is reachable")
         return min(candidates, key=lambda i: i.in_flight)
 
@@ -98,8 +107,9 @@ class RouterServicer(rgrpc.RouterServicer):
         remaining = context.time_remaining()
         timeout = DEFAULT_TIMEOUT_S if remaining is None else max(remaining, 0.001)
         tried: set[str] = set()
+        last_error: InfiniteLLMError | None = None
         while True:
-            inst = self._pick(tried)
+            inst = self._pick(tried, last_error)
             tried.add(inst.address)
             call = inst.stub.Generate(request, timeout=timeout)
             inst.in_flight += 1
@@ -112,8 +122,14 @@ class RouterServicer(rgrpc.RouterServicer):
                     yield msg
                 return
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and not sent:
-                    continue  # that instance is gone: try the next one
+                # Before any token, an instance that is gone or whose queue is full is skipped for the next;
+                # when every one was, the caller gets the last refusal (UNAVAILABLE, or RESOURCE_EXHAUSTED).
+                queue_full = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").endswith(
+                    RETRY_LATER
+                )
+                if not sent and (e.code() == grpc.StatusCode.UNAVAILABLE or queue_full):
+                    last_error = error_from_rpc(e)
+                    continue
                 raise error_from_rpc(e) from None
             finally:
                 call.cancel()  # no-op when finished; frees the request downstream when the caller left
