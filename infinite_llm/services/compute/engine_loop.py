@@ -86,11 +86,15 @@ class EngineLoop:
     # ---- engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            block = not self.engine.has_unfinished()
-            if not self._apply_commands(block):
-                return
-            if self.engine.has_unfinished():
-                self._step()
+            try:
+                block = not self.engine.has_unfinished()
+                if not self._apply_commands(block):
+                    return
+                if self.engine.has_unfinished():
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any one failure (e.g. a failed free)
+                log.exception("engine loop error; failing %d requests", len(self._sinks))
+                self._fail_all(e)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False when asked to stop."""
