@@ -37,6 +37,31 @@ class SeqStepInput:
     num_new: int
 
 
+class PartialsBuffer:
+    """The per-holder partials of one layer of a step, merged exactly into the attention output.
+
+    Row ``rows`` of part ``j`` receive that holder's ``partial_out`` / ``lse``; rows a holder did not compute
+    keep ``lse = -inf`` (weight 0). One part is returned as is (a merge of one part is the identity).
+    """
+
+    def __init__(self, num_parts: int, like: torch.Tensor, merge_fn: MergeFn = merge_partials) -> None:
+        t, h, d = like.shape  # like: the step's queries [T, H, D]
+        self.outs = torch.zeros(num_parts, t, h, d, dtype=like.dtype, device=like.device)
+        self.lses = torch.full((num_parts, t, h), float("-inf"), dtype=torch.float32, device=like.device)
+        self._merge = merge_fn
+
+    def put(self, part: int, rows: torch.Tensor, partial_out: torch.Tensor, lse: torch.Tensor) -> None:
+        """``rows [n]`` int64; ``partial_out [n, H, D]``; ``lse [n, H]`` fp32."""
+        self.outs[part, rows] = partial_out.to(self.outs.device, self.outs.dtype)
+        self.lses[part, rows] = lse.to(self.lses.device)
+
+    def merged(self) -> torch.Tensor:
+        """``[T, H, D]`` attention output of the step's queries."""
+        if self.outs.shape[0] == 1:
+            return self.outs[0]
+        return self._merge(self.outs, self.lses)[0]
+
+
 class LocalDistAttention:
     """Block manager + attention backend over ``holders`` (one rManager per partition)."""
 
@@ -98,7 +123,8 @@ class LocalDistAttention:
     # ---- attention -----------------------------------------------------------------------------------
     def prepare(self, seqs: list[SeqStepInput]) -> AttentionFn:
         """Plan one step (queries of ``seqs`` concatenated in order) and return its attention callable."""
-        plans: list[tuple[int, StepPlan, torch.Tensor]] = []  # (holder, plan, query rows in the step)
+        # (holder, plan, query rows in the step, step rows of the new tokens it stores)
+        plans: list[tuple[int, StepPlan, torch.Tensor, torch.Tensor]] = []
         per_holder: dict[int, list[HolderSeqStep]] = {}
         rows_of: dict[int, list[int]] = {}
         start = 0
@@ -109,28 +135,24 @@ class LocalDistAttention:
             start += s.num_new
         for p in sorted(per_holder):
             plan = self.holders[p].plan_step(per_holder[p])
-            plans.append((p, plan, torch.tensor(rows_of[p], dtype=torch.int64)))
+            rows = torch.tensor(rows_of[p], dtype=torch.int64)
+            plans.append((p, plan, rows, rows[plan.new_token_rows]))
         return lambda layer, q, k, v: self._attend(layer, plans, q, k, v)
 
     def _attend(
         self,
         layer: int,
-        plans: list[tuple[int, StepPlan, torch.Tensor]],
+        plans: list[tuple[int, StepPlan, torch.Tensor, torch.Tensor]],
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor:
         """Fan out to every holder of the step, then merge: ``q [T, H, D]``, ``k, v [T, Hkv, D]`` -> ``[T, H, D]``."""
-        t, h, d = q.shape
-        outs = torch.zeros(len(plans), t, h, d, dtype=q.dtype, device=q.device)
-        lses = torch.full((len(plans), t, h), float("-inf"), dtype=torch.float32, device=q.device)
-        for j, (p, plan, rows) in enumerate(plans):
-            out_p, lse_p = self.holders[p].attend(layer, plan, q[rows], k[rows], v[rows])
-            outs[j, rows] = out_p
-            lses[j, rows] = lse_p
-        if len(plans) == 1:
-            return outs[0]
-        return self._merge(outs, lses)[0]
+        partials = PartialsBuffer(len(plans), q, self._merge)
+        for j, (p, plan, rows, new_rows) in enumerate(plans):
+            out_p, lse_p = self.holders[p].attend(layer, plan, q[rows], k[new_rows], v[new_rows])
+            partials.put(j, rows, out_p, lse_p)
+        return partials.merged()
 
 
 def split_step(table: Sequence[tuple[H, int]], block_size: int, s: SeqStepInput) -> dict[H, HolderSeqStep]:

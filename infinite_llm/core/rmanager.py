@@ -178,7 +178,7 @@ class RManager:
         )
 
     def attend(
-        self, layer: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self, layer: int, plan: StepPlan, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new K/V held here, then attention of every query over this holder's rBlocks.
 
@@ -186,8 +186,8 @@ class RManager:
             layer: layer index.
             plan: from :meth:`plan_step`.
             query: ``[plan.num_tokens, num_heads, head_dim]``.
-            key, value: ``[plan.num_tokens, num_kv_heads, head_dim]``, the K/V of the same tokens; only the
-                rows in ``plan.new_token_rows`` are stored (the others live on other holders).
+            new_key, new_value: ``[len(plan.slot_mapping), num_kv_heads, head_dim]``, only the K/V stored here,
+                in slot-mapping order (a caller holding every token's K/V selects ``plan.new_token_rows``).
 
         Returns:
             ``(partial_out [num_tokens, num_heads, head_dim], lse [num_tokens, num_heads] fp32)``, already
@@ -196,5 +196,5 @@ class RManager:
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidRequest(f"layer {layer} out of range [0, {self.layout.num_layers})")
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        write_kv(k_cache, v_cache, plan.slot_mapping, key[plan.new_token_rows], value[plan.new_token_rows])
+        write_kv(k_cache, v_cache, plan.slot_mapping, new_key, new_value)
         return self._attention_impl(query, k_cache, v_cache, plan.meta)

@@ -8,7 +8,6 @@ migration. Pure torch, no gRPC; **not thread-safe**: the servicer calls it from 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -125,9 +124,7 @@ class AttentionHolder:
         ]
         plan = self.rm.plan_step(steps)  # validates ownership and positions; changes nothing
         device = self.rm.k_cache.device
-        num_new = sum(len(it.slot_mapping) for it in items)
-        # The new K/V arrive compact (only rows stored here): index them 0..num_new-1, in slot order.
-        plan = dataclasses.replace(plan, new_token_rows=torch.arange(num_new, device=device))
+        # The new K/V arrive compact (only the rows stored here, in slot order): what RManager.attend takes.
         query = _cat([it.query for it in items], device)  # (num_tokens, H, D)
         key = _cat([it.key for it in items if it.key is not None], device, self._empty_kv())
         value = _cat([it.value for it in items if it.value is not None], device, self._empty_kv())

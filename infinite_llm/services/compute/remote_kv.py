@@ -17,8 +17,7 @@ import grpc
 import torch
 
 from infinite_llm.client.errors import error_from_rpc
-from infinite_llm.core.attention import merge_partials
-from infinite_llm.core.dist_attention import SeqStepInput, split_step
+from infinite_llm.core.dist_attention import PartialsBuffer, SeqStepInput, split_step
 from infinite_llm.core.errors import CapacityExhausted, InvalidRequest
 from infinite_llm.core.model import AttentionFn
 from infinite_llm.core.rmanager import HolderSeqStep
@@ -139,7 +138,6 @@ class RemoteKV:
 
     def _attend(self, layer: int, per_server, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One ``AttendStep`` per server, concurrently; merge. ``q [T, H, D]``, ``k, v [T, Hkv, D]``."""
-        t, h, d = q.shape
         fan_out_start = time.perf_counter()
         futures = []
         for server, items in per_server.items():
@@ -147,8 +145,7 @@ class RemoteKV:
             futures.append(
                 (server, items, time.perf_counter(), self._stub(server).AttendStep.future(req, timeout=self.timeout_s))
             )
-        outs = torch.zeros(len(futures), t, h, d, dtype=q.dtype, device=q.device)
-        lses = torch.full((len(futures), t, h), float("-inf"), dtype=torch.float32, device=q.device)
+        partials = PartialsBuffer(len(futures), q)
         for j, (server, items, started, fut) in enumerate(futures):
             try:
                 reply = fut.result()
@@ -159,15 +156,12 @@ class RemoteKV:
             if self._on_rpc is not None:
                 self._on_rpc(server, took)
             for (_, rows), part in zip(items, reply.partials, strict=True):
-                idx = torch.tensor(rows, dtype=torch.int64)
-                idx = idx.to(q.device)
-                outs[j, idx] = decode_tensor(part.partial_out, field="partial_out").to(q.device, q.dtype)
-                lses[j, idx] = decode_tensor(part.lse, field="lse").to(q.device)
+                idx = torch.tensor(rows, dtype=torch.int64, device=q.device)
+                out = decode_tensor(part.partial_out, field="partial_out")
+                partials.put(j, idx, out, decode_tensor(part.lse, field="lse"))
         self.layer_rpc_seconds += time.perf_counter() - fan_out_start
         self.layer_rpc_count += 1
-        if len(futures) == 1:
-            return outs[0]
-        return merge_partials(outs, lses)[0]
+        return partials.merged()
 
     def _stub(self, server: str) -> agrpc.AttentionServerStub:
         with self._lock:

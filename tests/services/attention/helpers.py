@@ -66,7 +66,7 @@ class Pair:
             return remote, remote
         plan = self.mirror.plan_step([p[0] for p in parts])
         q, k, v = (torch.cat([p[i] for p in parts]) for i in (1, 2, 3))
-        out, lse = self.mirror.attend(layer, plan, q, k, v)
+        out, lse = self.mirror.attend(layer, plan, q, k[plan.new_token_rows], v[plan.new_token_rows])
         counts = [p[1].shape[0] for p in parts]
         return remote, list(zip(out.split(counts), lse.split(counts), strict=True))
 

@@ -158,7 +158,9 @@ def test_bad_attend_steps_get_exact_codes_change_nothing_and_the_next_step_is_ri
     assert _stats(pair.stub) == before
     good = pair.stub.AttendStep(_decode_request(steps, qkv), timeout=TIMEOUT).partials[0]
     item = split_step(steps.tables["a"], LAYOUT.block_size, SeqStepInput("a", 5, 1))["A"]
-    want, want_lse = pair.mirror.attend(0, pair.mirror.plan_step([item]), *qkv)
+    plan = pair.mirror.plan_step([item])
+    q, k, v = qkv
+    want, want_lse = pair.mirror.attend(0, plan, q, k[plan.new_token_rows], v[plan.new_token_rows])
     assert torch.equal(codec.decode_tensor(good.partial_out), want)
     assert torch.equal(codec.decode_tensor(good.lse), want_lse)
 
