@@ -6,6 +6,8 @@ Every attention server holds only ``BLOCKS_PER_SERVER`` rBlocks, so any prompt l
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -50,3 +52,13 @@ def server_stats(address: str) -> apb.GetStatsResponse:
 def all_blocks_free(mesh: LocalMesh) -> bool:
     stats = [server_stats(p.address) for p in mesh.attention_servers() if p.alive()]
     return all(s.num_used == 0 and s.num_reserved == 0 and s.num_free == s.num_blocks for s in stats)
+
+
+def wait_until(cond, timeout_s: float = 10.0) -> bool:
+    """Poll ``cond`` every 0.1 s for up to ``timeout_s`` seconds (asynchronous frees, lease expiry)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()

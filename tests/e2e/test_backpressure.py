@@ -12,8 +12,7 @@ import pytest
 from infinite_llm.client import CapacityExhausted, Client
 from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.state.etcd_launcher import free_port
-from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, all_blocks_free
-from tests.e2e.test_mesh_generation import wait_until
+from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, all_blocks_free, wait_until
 
 
 @pytest.fixture(scope="module")

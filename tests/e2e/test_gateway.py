@@ -25,20 +25,11 @@ from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
 from infinite_llm.services.gateway.errors import ModelNotFound, from_router
 from infinite_llm.state.etcd_launcher import free_port
-from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free
+from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, wait_until
 
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is a KV cache? Answer in one sentence."}]
-
-
-def wait_until(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 @pytest.fixture(scope="module")

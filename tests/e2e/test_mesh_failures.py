@@ -9,8 +9,8 @@ from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.state.etcd_launcher import free_port
-from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, all_blocks_free
-from tests.e2e.test_mesh_generation import TEXT, wait_until
+from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, all_blocks_free, wait_until
+from tests.e2e.test_mesh_generation import TEXT
 
 
 @pytest.fixture(scope="module")

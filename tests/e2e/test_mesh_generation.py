@@ -12,7 +12,7 @@ import torch
 from infinite_llm.client import CapacityExhausted, Client
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.services.admin import cluster_state
-from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free
+from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, wait_until
 
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
 
@@ -30,15 +30,6 @@ def local(make_engine):
 
 def _prompt(tokenizer, n: int) -> list[int]:
     return tokenizer.encode(TEXT)[:n]
-
-
-def wait_until(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 @pytest.mark.parametrize("k", [9, 13])

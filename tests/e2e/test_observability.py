@@ -12,8 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from infinite_llm.client import Client
 from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.state.etcd_launcher import free_port
-from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK
-from tests.e2e.test_mesh_generation import wait_until
+from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, wait_until
 
 
 def scrape(address: str) -> dict[tuple[str, tuple], float]:
