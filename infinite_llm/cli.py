@@ -25,8 +25,6 @@ app = typer.Typer(
 )
 err = Console(stderr=True, soft_wrap=True)  # a message is one line, whatever the terminal width
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
 
 def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if (prompt is None) == (prompt_file is None):
@@ -62,8 +60,6 @@ def generate(
     router: Annotated[str | None, typer.Option(help="Send the request through the mesh's router at HOST:PORT.")] = None,
 ) -> None:
     """Generate text (single-process engine, or the mesh with --router) and stream it to stdout."""
-    import torch
-
     from infinite_llm.core.sampling import SamplingParams
     from infinite_llm.engine import EngineConfig, LLMEngine
 
@@ -75,8 +71,9 @@ def generate(
         SamplingParams(max_tokens=max_tokens, **sampling)  # same validation and messages as locally
         _generate_via_router(router, text, chat, model, max_tokens, sampling)
         return
-    if dtype not in _DTYPES:
-        raise typer.BadParameter(f"unknown dtype {dtype!r}; use float32 or bfloat16", param_hint="--dtype")
+    from infinite_llm.cli_mesh import torch_dtype
+
+    engine_dtype = torch_dtype(dtype)  # BadParameter before the model loads
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -89,7 +86,7 @@ def generate(
         block_size=block_size,
         num_kv_blocks=kv_blocks,
         num_partitions=num_partitions,
-        dtype=getattr(torch, _DTYPES[dtype]),
+        dtype=engine_dtype,
     )
     with err.status("loading model...", spinner="dots"):
         engine = LLMEngine.from_pretrained(model, config)

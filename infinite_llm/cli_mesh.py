@@ -34,13 +34,21 @@ def _size(text: str) -> int:
         raise typer.BadParameter(str(e), param_hint="--kv-memory") from None
 
 
-def _dtype(name: str):  # noqa: ANN202
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def dtype_name(text: str) -> str:
+    """The canonical name (``float32`` / ``bfloat16``) of a ``--dtype`` value; BadParameter otherwise."""
+    if text not in DTYPE_NAMES:
+        raise typer.BadParameter(f"unknown dtype {text!r}; use float32 or bfloat16", param_hint="--dtype")
+    return DTYPE_NAMES[text]
+
+
+def torch_dtype(text: str):  # noqa: ANN201
+    """The ``torch.dtype`` of a ``--dtype`` value."""
     import torch
 
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name not in names:
-        raise typer.BadParameter(f"unknown dtype {name!r}; use float32 or bfloat16", param_hint="--dtype")
-    return names[name]
+    return getattr(torch, dtype_name(text))
 
 
 @serve_app.command("attention")
@@ -61,12 +69,11 @@ def serve_attention(
     from infinite_llm.models.registry import load_model_config, resolve_model
     from infinite_llm.services.attention.server import AttentionServerConfig, main
 
-    _dtype(dtype)
     config = AttentionServerConfig.for_model(
         load_model_config(resolve_model(model)),
         server_id=server_id,
         kv_memory_bytes=_size(kv_memory),
-        dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype),
+        dtype=dtype_name(dtype),
         block_size=block_size,
         host=host,
         port=port,
@@ -187,7 +194,7 @@ def serve_compute(
         port=port,
         instance_id=instance_id,
         model=model,
-        dtype=_dtype(dtype),
+        dtype=torch_dtype(dtype),
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

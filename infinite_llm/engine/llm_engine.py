@@ -267,8 +267,6 @@ def _make_holders(model: ModelConfig, config: EngineConfig) -> list[RManager]:
 
 def _attention_impl():  # noqa: ANN202
     """The kernels package dispatches to Triton on CUDA and to the torch reference on CPU."""
-    try:
-        from infinite_llm.kernels import partial_attention
-    except ImportError:  # pragma: no cover - kernels package is part of the wheel
-        from infinite_llm.core.attention import partial_attention
+    from infinite_llm.kernels import partial_attention
+
     return partial_attention
