@@ -50,10 +50,15 @@ def hf_seconds(model, tokenizer, ids: list[list[int]], n: int) -> float:
     return time.perf_counter() - t
 
 
-def decode_rate(run, ids, n: int) -> float:
+def decode_step_seconds(run, ids, n: int) -> float:
+    """Seconds of one decode step: ``run(ids, n)`` minus ``run(ids, 1)`` (the prefill), over ``n - 1`` steps."""
     run(ids, 2)  # warm-up
     full, one = run(ids, n), run(ids, 1)
-    return len(ids) * (n - 1) / max(full - one, 1e-9)
+    return max(full - one, 1e-9) / (n - 1)
+
+
+def decode_rate(run, ids, n: int) -> float:
+    return len(ids) / decode_step_seconds(run, ids, n)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import time
 
 import grpc
 import torch
+from engine_throughput import decode_step_seconds, prompts  # same workload and method, side by side
 
 from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
@@ -24,13 +25,6 @@ from infinite_llm.models.registry import load_model_files, resolve_model
 from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.state.etcd_launcher import free_port
-
-PROMPT = "Summarise the plot of a novel about a lighthouse keeper who finds a message in a bottle. " * 3
-
-
-def prompts(tokenizer, batch: int) -> list[list[int]]:
-    base = tokenizer.encode(PROMPT)
-    return [base[i % 7 :] for i in range(batch)]
 
 
 def local_seconds(engine: LLMEngine, ids: list[list[int]], n: int) -> float:
@@ -48,9 +42,7 @@ def mesh_seconds(client: Client, ids: list[list[int]], n: int) -> float:
 
 
 def step_ms(run, ids, n: int) -> float:
-    run(ids, 2)  # warm-up
-    full, one = run(ids, n), run(ids, 1)
-    return 1e3 * (full - one) / (n - 1)
+    return 1e3 * decode_step_seconds(run, ids, n)
 
 
 def compute_stats(address: str) -> cpb.ComputeStatsResponse:
