@@ -7,13 +7,14 @@ through a block list, as in vLLM's paged attention and its unified Triton attent
 consecutive query tokens, so decode (1 query per sequence) and causal prefill chunks share one kernel and
 each K/V tile is read once per GQA group. The blocks need not be contiguous or sorted: each key's position
 comes from ``block_indices``. Long parts are split over the KV (flash-decoding) and the splits merged with
-``merge.py``, the same exact merge that DistAttention uses across holders.
+``merge.py``, the same exact merge that DistAttention uses across holders. Tile sizes, warps and the number
+of splits come from ``launch_plan.py``, which argues each choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,10 +31,8 @@ from infinite_llm.kernels._checks import (
     interpreting,
     next_power_of_2,
 )
+from infinite_llm.kernels.launch_plan import AttentionShape, LaunchPlan, TileOverrides, plan_launch
 from infinite_llm.kernels.merge import launch_merge
-
-# A split must read enough keys to pay for its share of the merge (flash-decoding uses a few hundred).
-MIN_KEYS_PER_SPLIT = 256
 
 
 @triton.jit
@@ -133,17 +132,6 @@ def _paged_attention_kernel(
     tl.store(lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
-@dataclass(frozen=True)
-class _LaunchPlan:
-    """Tile sizes and grid of one launch (all powers of two except the counts)."""
-
-    block_m: int  # rows per program: (query tokens per tile) * GROUP
-    block_n: int  # keys per loop iteration (a whole number of blocks)
-    num_q_tiles: int
-    num_splits: int
-    blocks_per_split: int
-
-
 def triton_partial_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -152,6 +140,7 @@ def triton_partial_attention(
     scale: float | None = None,
     *,
     num_splits: int | None = None,
+    tiles: TileOverrides | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over the rBlocks listed in ``meta`` only, on the device.
 
@@ -163,25 +152,31 @@ def triton_partial_attention(
             are trusted to lie in ``[0, num_pool_blocks)`` (``meta.validate`` checks them; not repeated here).
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
         num_splits: KV splits per sequence (merged exactly); default: enough to fill the GPU.
+        tiles: tile sizes, warps, stages forced for tests and tuning (``num_splits`` wins over
+            ``tiles.num_splits``); default: the policy of ``launch_plan.py``.
 
     Returns:
         ``(partial_out [num_tokens, num_heads, head_dim]`` in ``query.dtype``, ``lse [num_tokens, num_heads]``
         fp32, natural log``)``; a query that sees no key gets ``out = 0, lse = -inf``. Math in fp32.
 
     Raises:
-        InvalidRequest: wrong dtype, shape, head counts, ``query_start_loc``, or tensors off the device
-            (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        InvalidRequest: wrong dtype, shape, head counts, ``query_start_loc``, tensors off the device
+            (CUDA, or CPU under ``TRITON_INTERPRET=1``), or forced tiles the kernel cannot run.
 
     One host sync (reads ``query_start_loc``). Torch reference: ``core.attention.partial_attention``.
     """
     _check_inputs(query, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = query.shape
-    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
-    lse = torch.full((num_tokens, num_heads), -math.inf, dtype=torch.float32, device=query.device)
     if meta.num_seqs == 0 or num_tokens == 0:
-        return out, lse
-    max_query_len = _max_query_len(meta.query_start_loc, num_tokens)
-    plan = _plan(query, k_cache, meta, max_query_len, num_splits)
+        out = torch.zeros(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+        return out, torch.full((num_tokens, num_heads), -math.inf, dtype=torch.float32, device=query.device)
+    forced = tiles or TileOverrides()
+    if num_splits is not None:
+        forced = dataclasses.replace(forced, num_splits=num_splits)
+    plan = plan_launch(_shape(query, k_cache, meta), _num_sms(query.device), forced)
+    # every (token, head) row is written: query tiles cover each sequence's run, which cover all tokens
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)
     if plan.num_splits == 1:
         _launch(query, k_cache, v_cache, meta, scale, plan, out.unsqueeze(0), lse.unsqueeze(0))
         return out, lse
@@ -250,37 +245,26 @@ def _max_query_len(query_start_loc: torch.Tensor, num_tokens: int) -> int:
     return max(lens)
 
 
-def _plan(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    meta: PartialAttentionMetadata,
-    max_query_len: int,
-    num_splits: int | None,
-) -> _LaunchPlan:
-    """Tile sizes: >= 16 rows and keys (the smallest ``tl.dot``), <= 64 rows unless the group is larger."""
-    group = query.shape[1] // k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    block_m = min(max(16, next_power_of_2(group * max_query_len)), max(64, next_power_of_2(group)))
-    num_q_tiles = triton.cdiv(max_query_len, block_m // group)
-    max_blocks = meta.block_ids.shape[1]
-    if num_splits is None:
-        num_splits = _default_splits(query.device, meta.num_seqs * num_q_tiles * k_cache.shape[2], max_blocks,
-                                     block_size)  # fmt: skip
-    if num_splits < 1:
-        raise InvalidRequest(f"num_splits must be >= 1, got {num_splits}")
-    blocks_per_split = max(1, triton.cdiv(max_blocks, num_splits))
-    num_splits = max(1, triton.cdiv(max_blocks, blocks_per_split))  # no split left without blocks
-    return _LaunchPlan(block_m, max(block_size, 32), num_q_tiles, num_splits, blocks_per_split)
+def _shape(query: torch.Tensor, k_cache: torch.Tensor, meta: PartialAttentionMetadata) -> AttentionShape:
+    """The launch-relevant scalars of checked inputs (one host sync: the longest query run)."""
+    num_tokens, num_heads, head_dim = query.shape
+    return AttentionShape(
+        num_seqs=meta.num_seqs,
+        max_query_len=_max_query_len(meta.query_start_loc, num_tokens),
+        max_blocks=meta.block_ids.shape[1],
+        num_kv_heads=k_cache.shape[2],
+        group=num_heads // k_cache.shape[2],
+        head_dim=head_dim,
+        block_size=k_cache.shape[1],
+        elem_bytes=query.element_size(),
+    )
 
 
-def _default_splits(device: torch.device, num_programs: int, max_blocks: int, block_size: int) -> int:
-    """Split the KV only when the grid would leave SMs idle (decode of few sequences), never below
-    ``MIN_KEYS_PER_SPLIT`` keys per split. Always 1 off CUDA (the interpreter gains nothing from it)."""
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 0 elsewhere (the interpreter gains nothing from splits)."""
     if device.type != "cuda":
-        return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * num_sms, num_programs)
-    return max(1, min(wanted, max_blocks * block_size // MIN_KEYS_PER_SPLIT))
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(
@@ -289,7 +273,7 @@ def _launch(
     v_cache: torch.Tensor,
     meta: PartialAttentionMetadata,
     scale: float | None,
-    plan: _LaunchPlan,
+    plan: LaunchPlan,
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
@@ -309,6 +293,7 @@ def _launch(
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         GROUP=num_heads // num_kv_heads, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_SIZE=block_size,
         BLOCK_D=max(16, next_power_of_2(head_dim)), UPCAST=upcast,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
 
 

@@ -12,7 +12,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from infinite_llm.core.attention import PartialAttentionMetadata, partial_attention
 from infinite_llm.core.errors import InvalidRequest
-from infinite_llm.kernels import paged_attention
+from infinite_llm.kernels import launch_plan, paged_attention
+from infinite_llm.kernels.launch_plan import TileOverrides
 from infinite_llm.kernels.paged_attention import triton_partial_attention
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -142,6 +143,54 @@ def test_kv_splits_merge_to_the_single_pass_result(num_splits):
     out, lse = assert_matches_reference(case, num_splits=num_splits)
     torch.testing.assert_close(out, single, **TOL)
     torch.testing.assert_close(lse, single_lse, **TOL)
+
+
+def long_decode_batch() -> list[Part]:
+    """Three decodes over 100 to 500 tokens in shuffled blocks of 4, one holding only every third block."""
+    return [
+        Part(500, [499], shuffled(list(range(125)), seed=5)),
+        Part(230, [229], shuffled(list(range(0, 58, 3)), seed=6)),
+        Part(101, [100], list(reversed(range(26)))),
+    ]
+
+
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (5, 16), (3, 64), (13, 32), (2, 128)])
+def test_long_decode_matches_reference_for_any_split_count_and_key_tile(num_splits, block_n):
+    case = build_case(long_decode_batch(), num_heads=8, num_kv_heads=2, block_size=4, seed=7)
+    assert_matches_reference(case, num_splits=num_splits, tiles=TileOverrides(block_n=block_n))
+
+
+def long_prefill_batch() -> list[Part]:
+    """A 40-token chunk at the end of 170 tokens in shuffled blocks of 4, and a short decode."""
+    return [Part(170, list(range(130, 170)), shuffled(list(range(43)), seed=8)), Part(9, [8], [2, 0, 1])]
+
+
+@pytest.mark.parametrize("block_m,block_n", [(128, 16), (128, 64), (32, 32)])
+def test_prefill_chunk_in_wide_query_tiles_matches_reference(block_m, block_n):
+    # 40 query tokens x group 4 = 160 rows: two tiles of 32 tokens at block_m 128, the second part-empty
+    case = build_case(long_prefill_batch(), num_heads=8, num_kv_heads=2, block_size=4, seed=9)
+    tiles = TileOverrides(block_m=block_m, block_n=block_n, num_warps=8)
+    assert_matches_reference(case, num_splits=3, tiles=tiles)
+
+
+@pytest.mark.parametrize("batch", [long_decode_batch, long_prefill_batch])
+def test_default_h200_plan_matches_reference(batch, monkeypatch):
+    """The splits the policy picks for 132 SMs (aligned to whole key tiles), run in the interpreter."""
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_plan, "MIN_KEYS_PER_SPLIT", 32)  # split contexts this small too
+    plans = []
+    monkeypatch.setattr(
+        paged_attention, "plan_launch", lambda *a: plans.append(launch_plan.plan_launch(*a)) or plans[-1]
+    )
+    case = build_case(batch(), num_heads=8, num_kv_heads=2, block_size=4, seed=10)
+    assert_matches_reference(case)
+    assert plans[0].num_splits > 1 and plans[0].blocks_per_split % (plans[0].block_n // 4) == 0
+
+
+def test_launcher_rejects_forced_tiles_it_cannot_run():
+    case = build_case([Part(5, [4], [0, 1])])
+    with pytest.raises(InvalidRequest, match="block_n must be a power of two"):
+        triton_partial_attention(case.query, case.k_cache, case.v_cache, case.meta, tiles=TileOverrides(block_n=48))
 
 
 def test_stale_slots_past_the_context_are_never_read():
