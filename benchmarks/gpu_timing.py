@@ -39,14 +39,15 @@ def wall_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
 
 
 def device_time(fn: Callable[[], object], iters: int, warmup: int = 1) -> DeviceTime:
-    """Mean GPU busy time and kernel count per call of ``fn``, from torch.profiler (CUDA only)."""
+    """Mean GPU busy time and kernel count per call of ``fn``, from torch.profiler (zeros without CUDA)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
         fn()
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
         for _ in range(iters):
             fn()
         sync()

@@ -81,7 +81,9 @@ def _online_softmax_step(q, k, v, key_pos, key_ok, query_pos, qk_scale, m, denom
     return m_new, denom, acc
 
 
-@triton.jit
+# Triton compiles a variant per "== 1" / "% 16 == 0" pattern of integer arguments; these three change as
+# contexts grow during serving, and specializing them buys nothing, so they would only add recompiles.
+@triton.jit(do_not_specialize=["max_blocks", "num_splits", "blocks_per_split"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     query_start_loc_ptr, query_positions_ptr, block_ids_ptr, block_indices_ptr, num_blocks_ptr,
