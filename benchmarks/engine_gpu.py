@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from dataclasses import dataclass, replace
 
 import torch
@@ -279,14 +280,23 @@ def main() -> int:
     print(f"{name}: {work.model['num_hidden_layers']} layers, hidden {work.model['hidden_size']}, "
           f"{work.model['num_attention_heads']}/{work.model['num_key_value_heads']} heads x {work.model['head_dim']}, "
           f"vocab {work.model['vocab_size']}, random weights")  # fmt: skip
-    ok = True if args.skip_equality else check_equality(hf, work, args.device)
+    ok = True if args.skip_equality else section(check_equality, hf, work, args.device)
     hf = hf.to(torch.bfloat16)
     engine = build_engine(hf, work, torch.bfloat16, args.device)
-    compare_decode(hf, engine, work)
-    compare_long_prompt(hf, engine, work)
-    profile_decode_step(engine, work)
-    print("equality: " + ("ok" if ok else "MISMATCH"))
-    return 0 if ok else 1
+    timed = [section(fn, hf, engine, work) for fn in (compare_decode, compare_long_prompt)]
+    timed.append(section(profile_decode_step, engine, work))
+    print("equality: " + ("ok" if ok else "MISMATCH") + ("" if all(timed) else "; a section FAILED (above)"))
+    return 0 if ok and all(timed) else 1
+
+
+def section(fn, *args) -> bool:  # noqa: ANN001
+    """Run one section; an exception is printed and the next section still runs (GPU time is scarce)."""
+    try:
+        return fn(*args) is not False
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        print(f"{fn.__name__}: FAILED")
+        return False
 
 
 if __name__ == "__main__":

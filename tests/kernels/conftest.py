@@ -52,9 +52,11 @@ def _set_interpret(value: str | None) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def triton_interpreter() -> Iterator[None]:
-    """``TRITON_INTERPRET=1`` and interpreted kernels for one test module; restored after it."""
+def triton_interpreter(request: pytest.FixtureRequest) -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` and interpreted kernels for one test module; restored after it.
+
+    A module that sets ``COMPILED_KERNELS = True`` (it needs CUDA) gets compiled kernels instead."""
     saved = os.environ.get("TRITON_INTERPRET")
-    _set_interpret("1")
+    _set_interpret(None if getattr(request.module, "COMPILED_KERNELS", False) else "1")
     yield
     _set_interpret(saved)
