@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,9 @@ class PartialAttentionMetadata:
     block_indices: torch.Tensor
     num_blocks: torch.Tensor
     context_lens: torch.Tensor
+    # Per-step work that every layer would otherwise redo (which pool slots a sequence reads, its mask);
+    # filled lazily by partial_attention, keyed by what it depends on. Not part of the metadata's value.
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -120,27 +123,85 @@ def partial_attention(
         else:
             _decode_batched(query, k_cache, v_cache, meta, scale, out, lse)
     else:
-        nblocks = meta.num_blocks.tolist()
-        for s in range(meta.num_seqs):
-            lo, hi, n = starts[s], starts[s + 1], nblocks[s]
-            if hi == lo or n == 0:
-                continue
-            k, v, kpos = _gather_keys(k_cache, v_cache, meta.block_ids[s, :n], meta.block_indices[s, :n])
-            mask = (kpos[None, :] <= meta.query_positions[lo:hi, None]) & (kpos < meta.context_lens[s])[None, :]
-            out[lo:hi], lse[lo:hi] = _masked_attention(query[lo:hi], k, v, mask, scale)
+        for keys in _prefill_keys(meta, k_cache.shape[1]):
+            rows = slice(keys.query_lo, keys.query_hi)
+            out[rows], lse[rows] = _prefill_attention(query[rows], k_cache, v_cache, keys, scale)
     return out.to(query.dtype), lse
 
 
-def _gather_keys(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, block_indices: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys/values ``[n * block_size, num_kv_heads, head_dim]`` of the listed rBlocks and their positions."""
-    block_size = k_cache.shape[1]
-    k = k_cache[block_ids].flatten(0, 1)  # (n*bs, Hkv, D)
-    v = v_cache[block_ids].flatten(0, 1)
-    offsets = torch.arange(block_size, device=k_cache.device)
-    kpos = (block_indices[:, None] * block_size + offsets[None, :]).flatten()  # (n*bs,)
-    return k, v, kpos
+@dataclass(frozen=True)
+class _SeqKeys:
+    """The keys one sequence's queries read in a prefill step; computed once per step, reused by every layer.
+
+    ``slots [S]`` int64 flat pool slots (``block_id * block_size + offset``) of the keys, in position order,
+    only those visible to at least one query. ``mask [T, S]`` fp32 additive (0 visible, -inf hidden), or None
+    when ``causal`` (key ``j`` visible to query ``i`` iff ``j <= i``). ``no_key [T]`` bool marks queries that
+    see no key (None when every query sees one).
+    """
+
+    query_lo: int
+    query_hi: int
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    no_key: torch.Tensor | None
+
+
+def _prefill_keys(meta: PartialAttentionMetadata, block_size: int) -> list[_SeqKeys]:
+    """:class:`_SeqKeys` of every sequence with queries and keys here, cached on ``meta`` for later layers."""
+    key = ("prefill", block_size)
+    if key not in meta.cache:
+        starts, nblocks = meta.query_start_loc.tolist(), meta.num_blocks.tolist()
+        found = (_seq_keys(meta, s, starts[s], starts[s + 1], nblocks[s], block_size) for s in range(meta.num_seqs))
+        meta.cache[key] = [k for k in found if k is not None]
+    return meta.cache[key]
+
+
+def _seq_keys(meta: PartialAttentionMetadata, s: int, lo: int, hi: int, n: int, block_size: int) -> _SeqKeys | None:
+    if hi == lo or n == 0:
+        return None
+    offsets = torch.arange(block_size, device=meta.block_ids.device)
+    kpos = (meta.block_indices[s, :n, None] * block_size + offsets).flatten()  # (n*bs,)
+    slots = (meta.block_ids[s, :n, None] * block_size + offsets).flatten()
+    qpos = meta.query_positions[lo:hi]  # (T,)
+    keep = (kpos < meta.context_lens[s]) & (kpos <= qpos.max())
+    kpos, order = kpos[keep].sort()  # (S,)
+    if kpos.numel() == 0:
+        return None
+    visible = kpos[None, :] <= qpos[:, None]  # (T, S)
+    no_key = ~visible.any(dim=1)
+    causal = kpos.numel() == qpos.numel() and torch.equal(kpos, qpos)  # positions are unique, so j <= i
+    mask = None if causal else torch.zeros(visible.shape, device=kpos.device).masked_fill_(~visible, -math.inf)
+    return _SeqKeys(lo, hi, slots[keep][order], mask, causal, no_key if bool(no_key.any()) else None)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: _SeqKeys, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: ``q [T, H, D]`` over the keys in ``keys`` -> ``(out [T, H, D] fp32, lse [T, H] fp32)``.
+
+    On CPU this is torch's tiled flash-attention kernel (the one behind SDPA, which also returns lse), so the
+    ``[T, S]`` scores are never materialised; elsewhere the plain masked softmax.
+    """
+    t, h, d = q.shape
+    hkv = k_cache.shape[2]
+    k = k_cache.view(-1, hkv, d).index_select(0, keys.slots).float()  # (S, Hkv, D)
+    v = v_cache.view(-1, hkv, d).index_select(0, keys.slots).float()
+    if q.device.type != "cpu":
+        mask = keys.mask == 0 if keys.mask is not None else torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        return _masked_attention(q, k, v, mask, scale)
+    g = h // hkv
+    qf = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3)  # (Hkv, G, T, D)
+    kf = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, g, -1, d)  # (Hkv, G, S, D), no copy over G
+    vf = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, g, -1, d)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qf, kf, vf, 0.0, keys.causal, attn_mask=keys.mask, scale=scale
+    )  # (Hkv, G, T, D), (Hkv, G, T) natural log
+    out, lse = out.permute(2, 0, 1, 3).reshape(t, h, d), lse.permute(2, 0, 1).reshape(t, h)
+    if keys.no_key is not None:  # the kernel leaves these rows finite; the contract says 0 and -inf
+        out = out.masked_fill(keys.no_key[:, None, None], 0.0)
+        lse = lse.masked_fill(keys.no_key[:, None], -math.inf)
+    return out, lse
 
 
 def _masked_attention(
