@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound
 
 app = typer.Typer(
@@ -54,7 +55,7 @@ def generate(
         str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")
     ] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-    block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = 16,
+    block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = DEFAULT_BLOCK_SIZE,
     kv_blocks: Annotated[int, typer.Option(help="rBlocks of KV memory in all.")] = 2048,
     num_partitions: Annotated[int, typer.Option(help="DistAttention partitions (1 = plain paged attention).")] = 1,
     router: Annotated[str | None, typer.Option(help="Send the request through the mesh's router at HOST:PORT.")] = None,

@@ -16,12 +16,44 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
+
 err = Console(stderr=True, soft_wrap=True)
 serve_app = typer.Typer(no_args_is_help=True, help="Run one service of the mesh.")
 
 Host = Annotated[str, typer.Option(help="Interface to listen on.")]
 Model = Annotated[str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")]
 BlockSize = Annotated[int, typer.Option(help="Tokens per rBlock (must match across the mesh).")]
+Transport = Annotated[
+    str,
+    typer.Option(
+        help="How attention tensors travel: grpc, or torch (torch.distributed: gloo on CPU, NCCL on GPU; "
+        "gRPC keeps the control, and a pair whose process group cannot form falls back to gRPC)."
+    ),
+]
+Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
+
+
+def _transport(text: str) -> str:
+    if text not in ("grpc", "torch"):
+        raise typer.BadParameter(f"unknown transport {text!r}; use grpc or torch", param_hint="--transport")
+    return text
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"unknown device {text!r}; use cpu, cuda or cuda:N", param_hint="--device")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter(f"--device {text}: this machine has no CUDA device", param_hint="--device")
+    return text
+
+
 MetricsPort = Annotated[int, typer.Option(help="Serve Prometheus /metrics on this HTTP port (0 = off).")]
 
 
@@ -60,10 +92,11 @@ def serve_attention(
     manager: Annotated[str, typer.Option(help="Global manager HOST:PORT to register with ('' = none).")] = "",
     advertise_host: Annotated[str, typer.Option(help="Host others reach this server at (default --host).")] = "",
     model: Model = None,
-    block_size: BlockSize = 16,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     dtype: Annotated[str, typer.Option(help="KV dtype: float32 or bfloat16.")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: Device = "cpu",
     metrics_port: MetricsPort = 0,
+    transport: Transport = "grpc",
 ) -> None:
     """Attention server: holds rBlocks in --kv-memory and computes partial attention over them."""
     from infinite_llm.models.registry import load_model_config, resolve_model
@@ -77,8 +110,9 @@ def serve_attention(
         block_size=block_size,
         host=host,
         port=port,
-        device=device,
+        device=_device(device),
         manager_address=manager,
+        transport=_transport(transport),
         advertise_host=advertise_host,
         metrics_port=metrics_port,
     )
@@ -92,6 +126,7 @@ def serve_manager(
     port: Annotated[int, typer.Option(help="gRPC port.")] = 50050,
     manager_id: Annotated[str, typer.Option(help="Identity in the leader election.")] = "manager-0",
     member_ttl: Annotated[int, typer.Option(help="Seconds a server stays listed without heartbeats.")] = 10,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     k8s_statefulset: Annotated[
         str,
         typer.Option(
@@ -158,6 +193,7 @@ def serve_manager(
             host=host,
             port=port,
             manager_id=manager_id,
+            block_size=block_size,
             member_ttl_s=member_ttl,
             autoscale=autoscale,
             metrics_port=metrics_port,
@@ -175,11 +211,12 @@ def serve_compute(
     instance_id: Annotated[str, typer.Option(help="Name in logs and stats.")] = "compute-0",
     model: Model = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-    block_size: BlockSize = 16,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one step.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill).")] = 512,
     metrics_port: MetricsPort = 0,
-    device: Annotated[str, typer.Option(help="Where the dense layers run: cpu or cuda.")] = "cpu",
+    device: Device = "cpu",
+    transport: Transport = "grpc",
     max_waiting: Annotated[
         int,
         typer.Option(help="Requests queued behind the running batch before new ones are refused (RESOURCE_EXHAUSTED)."),
@@ -199,8 +236,9 @@ def serve_compute(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         metrics_port=metrics_port,
-        device=device,
+        device=_device(device),
         max_waiting=max_waiting,
+        transport=_transport(transport),
     )
     asyncio.run(serve(config))
 
@@ -253,8 +291,9 @@ def up(
     port: Annotated[int, typer.Option(help="Router port.")] = 50051,
     manager_port: Annotated[int, typer.Option(help="Manager port (0 = any free one).")] = 50050,
     model: Model = None,
-    block_size: BlockSize = 16,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     gateway_port: Annotated[int, typer.Option(help="OpenAI-compatible REST gateway port (0 = any free one).")] = 8000,
+    transport: Transport = "grpc",
 ) -> None:
     """Start etcd, the manager, attention servers, compute instances, the router and the gateway on loopback."""
     from infinite_llm.mesh import LocalMesh, MeshConfig
@@ -268,6 +307,7 @@ def up(
         model=model,
         block_size=block_size,
         gateway_port=gateway_port,
+        transport=_transport(transport),
     )
     mesh = LocalMesh(config)
     with err.status("starting the mesh (etcd, manager, servers, compute, router, gateway)...", spinner="dots"):

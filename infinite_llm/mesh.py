@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
 from infinite_llm.state.etcd_launcher import EtcdProcess, free_port, start_etcd
 
@@ -42,7 +43,8 @@ class MeshConfig:
     router_port: int = 50051
     manager_port: int = 0
     model: str | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
+    transport: str = "grpc"  # attention tensors: grpc, or torch (torch.distributed over gloo on loopback)
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_waiting: int = 1024  # per compute instance, before RESOURCE_EXHAUSTED
@@ -113,7 +115,14 @@ class LocalMesh:
                 "manager",
                 "manager-0",
                 manager_port,
-                ["--etcd", f"{self.etcd.host}:{self.etcd.client_port}", "--member-ttl", str(c.member_ttl_s)],
+                [
+                    "--etcd",
+                    f"{self.etcd.host}:{self.etcd.client_port}",
+                    "--member-ttl",
+                    str(c.member_ttl_s),
+                    "--block-size",
+                    str(c.block_size),
+                ],
             )
             self._wait_healthy(self._by_role("manager"))
             for i in range(c.attention_servers):
@@ -128,6 +137,8 @@ class LocalMesh:
                         self.manager_address,
                         "--block-size",
                         str(c.block_size),
+                        "--transport",
+                        c.transport,
                         "--max-num-batched-tokens",
                         str(c.max_num_batched_tokens),
                         "--max-num-seqs",
@@ -167,6 +178,8 @@ class LocalMesh:
                 str(c.kv_memory_bytes),
                 "--block-size",
                 str(c.block_size),
+                "--transport",
+                c.transport,
                 "--manager",
                 self.manager_address,
                 *self._model_args(),

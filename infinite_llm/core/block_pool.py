@@ -99,6 +99,13 @@ class RBlockPool:
             self._ref_counts[b] = 1
         return list(ids)
 
+    def reserved_ids(self, reservation_id: int) -> tuple[int, ...]:
+        """Block ids held by an open reservation. Raises ``NotFound`` for an unknown id."""
+        try:
+            return self._reservations[reservation_id]
+        except KeyError:
+            raise NotFound(f"no reservation {reservation_id}") from None
+
     def cancel(self, reservation_id: int) -> None:
         """Return a reservation's blocks to the back of the free list."""
         self._free.extend(self._pop_reservation(reservation_id))

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Tokens per rBlock unless a deployment says otherwise: the one default of the whole system (every process
+# of a mesh must agree; the manager refuses a member or placement with another block size).
+DEFAULT_BLOCK_SIZE = 16
+
 
 @dataclass(frozen=True)
 class RopeScaling:

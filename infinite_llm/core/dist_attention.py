@@ -1,40 +1,92 @@
-"""DistAttention over several rManagers in one process: placement, block tables, fan-out and exact merge.
+"""DistAttention: block tables, the step split, fan-out to attention servers and the exact merge.
 
-The single-process engine's attention backend. Every attention goes through partition + merge: each
-partition (holder) computes a partial output and lse over its own rBlocks of each sequence, and the
-partials are merged exactly (PAPER.md DistAttention; DESIGN.md §3). With one partition this is plain paged
-attention. The compute instance of the mesh does the same with holders behind gRPC.
+One class serves the single-process engine and the compute instance of the mesh (DESIGN.md §3). It owns
+each sequence's block table (``[BlockRef(holder, block_id), ...]``; entry ``i`` covers tokens
+``[i*block_size, (i+1)*block_size)``), grows it through a :class:`Placement` and reaches the holders of
+the KV through an :class:`AttentionTransport`:
 
-A block table entry is ``(holder_id, block_id)``; entry ``i`` covers tokens ``[i*block_size, (i+1)*block_size)``.
-Placement puts each new rBlock on the holder with the most free blocks (lowest id on ties), the paper's
-"creditor with the most free memory" rule.
+- a step is planned once: each holder of a step's sequences is told ``(seq_id, num_computed_tokens,
+  num_new)`` per sequence (:class:`~infinite_llm.core.rmanager.SeqStep`) and builds its own plan from the
+  rBlocks it recorded at commit; no block ids travel;
+- each layer then sends each holder only its queries and the new K/V it stores, and gets back one partial
+  output + lse, merged here exactly (PAPER.md DistAttention; vLLM ``merge_attn_states``).
+
+Transports: in-process rManagers (``core/local_transport.py``), gRPC and torch.distributed
+(``services/compute/``). Source of the shapes: vLLM v1 ``sched/output.py`` (full request data once, then
+only changes) and ``kv_cache_manager.py`` (one allocation interface that hides where blocks are).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, NewType, Protocol
 
 import torch
 
 from infinite_llm.core.attention import merge_partials
-from infinite_llm.core.errors import CapacityExhausted, InvalidRequest
-from infinite_llm.core.model import AttentionFn
-from infinite_llm.core.rmanager import HolderSeqStep, RManager, StepPlan
+from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.rmanager import SeqStep
 
-BlockTableEntry = tuple[int, int]  # (holder_id, block_id); a remote holder id is a server id string
-H = TypeVar("H", bound=Hashable)  # a holder id: partition index or server id
+HolderId = NewType("HolderId", str)  # an attention server id (or an in-process partition's name)
+BlockId = NewType("BlockId", int)  # a physical rBlock id in its holder's pool
 MergeFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Partial = tuple[torch.Tensor, torch.Tensor]  # (partial_out [n, H, D], lse [n, H] fp32)
+
+
+class BlockRef(NamedTuple):
+    """One block-table entry: which holder keeps the rBlock, and its id there."""
+
+    holder: HolderId
+    block_id: BlockId
 
 
 @dataclass(frozen=True)
-class SeqStepInput:
-    """One scheduled sequence of a step: ``num_new`` tokens starting at position ``num_computed``."""
+class LayerInput:
+    """What one holder gets for one layer: ``query [num_tokens_here, H, D]`` (every new token of its
+    sequences, in step order), ``key, value [num_new_here, Hkv, D]`` (only the new tokens it stores)."""
 
-    seq_id: str
-    num_computed: int
-    num_new: int
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+class Placement(Protocol):
+    """Where new rBlocks come from: in-process rManagers, or the global manager of the mesh."""
+
+    @property
+    def num_total_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef] | None:
+        """``n`` new rBlocks for logical indices ``first_index ..``, in table order; ``None`` (nothing
+        changed) when they cannot be held now."""
+        ...
+
+    def release(self, seq_id: str, holders: Sequence[HolderId]) -> int:
+        """Free every rBlock of ``seq_id`` (held on ``holders``); returns how many."""
+        ...
+
+
+class AttentionTransport(Protocol):
+    """How a step reaches the holders. Every method raises the typed errors of ``core/errors.py``."""
+
+    def open_step(self, step_id: int, plans: Mapping[HolderId, list[SeqStep]], num_heads: int) -> None:
+        """Tell each holder the sequences of a step it serves (it builds and keeps its plan)."""
+        ...
+
+    def attend(self, step_id: int, layer: int, inputs: Mapping[HolderId, LayerInput]) -> dict[HolderId, Partial]:
+        """One layer on every holder, concurrently; returns each holder's partial output and lse."""
+        ...
+
+    def close_step(self, step_id: int, failed: bool) -> None:
+        """End a step (``failed``: cancel what is still in flight). Never raises."""
+        ...
 
 
 class PartialsBuffer:
@@ -50,8 +102,13 @@ class PartialsBuffer:
         self.lses = torch.full((num_parts, t, h), float("-inf"), dtype=torch.float32, device=like.device)
         self._merge = merge_fn
 
-    def put(self, part: int, rows: torch.Tensor, partial_out: torch.Tensor, lse: torch.Tensor) -> None:
-        """``rows [n]`` int64; ``partial_out [n, H, D]``; ``lse [n, H]`` fp32."""
+    def put(self, part: int, rows: torch.Tensor | None, partial_out: torch.Tensor, lse: torch.Tensor) -> None:
+        """``rows [n]`` int64 on the buffer's device (``None``: every row); ``partial_out [n, H, D]``;
+        ``lse [n, H]`` fp32."""
+        if rows is None:
+            self.outs[part].copy_(partial_out)
+            self.lses[part].copy_(lse)
+            return
         self.outs[part, rows] = partial_out.to(self.outs.device, self.outs.dtype)
         self.lses[part, rows] = lse.to(self.lses.device)
 
@@ -62,122 +119,204 @@ class PartialsBuffer:
         return self._merge(self.outs, self.lses)[0]
 
 
-class LocalDistAttention:
-    """Block manager + attention backend over ``holders`` (one rManager per partition)."""
+@dataclass(frozen=True)
+class _HolderRows:
+    """One holder's share of a step: its query rows and the rows of the new tokens it stores.
 
-    def __init__(self, holders: list[RManager], merge_fn: MergeFn = merge_partials) -> None:
-        if not holders:
-            raise ValueError("need at least one holder")
-        sizes = {h.layout.block_size for h in holders}
-        if len(sizes) != 1:
-            raise ValueError(f"holders disagree on block_size: {sorted(sizes)}")
-        self.holders = holders
-        self.block_size = sizes.pop()
+    ``None`` means every row of the step, in order (no gather needed).
+    """
+
+    query_rows: torch.Tensor | None
+    new_rows: torch.Tensor | None
+
+
+class StepAttention:
+    """The attention callable of one step (``AttentionFn``): fan out per layer, merge. Close it after the
+    step (``with``), so the holders drop their plans."""
+
+    def __init__(self, owner: DistAttention, step_id: int, rows: dict[HolderId, _HolderRows]) -> None:
+        self._owner = owner
+        self.step_id = step_id
+        self.rows = rows
+        self._closed = False
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, Hkv, D]`` of the step's new tokens -> attention output ``[T, H, D]``."""
+        return self._owner._attend(self, layer, q, k, v)
+
+    def close(self, failed: bool = False) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owner.transport.close_step(self.step_id, failed)
+
+    def __enter__(self) -> StepAttention:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+        self.close(failed=exc_type is not None)
+
+
+class DistAttention:
+    """Block manager + attention backend over the holders a ``transport`` reaches.
+
+    Args:
+        placement: grows block tables (:class:`Placement`).
+        transport: carries steps to the holders (:class:`AttentionTransport`).
+        block_size: tokens per rBlock; the holders must agree (checked when they register).
+        device: where the step's row indices live (the device of the queries).
+        merge_fn: the exact merge (Triton on CUDA through the kernels dispatcher).
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        transport: AttentionTransport,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        merge_fn: MergeFn = merge_partials,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.placement = placement
+        self.transport = transport
+        self.block_size = block_size
+        self.device = torch.device(device)
         self._merge = merge_fn
-        self._tables: dict[str, list[BlockTableEntry]] = {}
+        self._tables: dict[str, list[BlockRef]] = {}
+        self._first_index: dict[str, dict[HolderId, int]] = {}  # per sequence: holder -> its lowest index
+        self._step_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._released: dict[str, dict[HolderId, int]] = {}
+        self.fan_out_seconds = 0.0  # wall time of every per-layer fan-out + merge (seconds)
+        self.fan_out_count = 0
 
     # ---- block manager -------------------------------------------------------------------------------
     @property
     def num_total_blocks(self) -> int:
-        return sum(h.pool.num_blocks for h in self.holders)
+        return self.placement.num_total_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return sum(h.pool.num_free for h in self.holders)
+        return self.placement.num_free_blocks
 
-    def block_table(self, seq_id: str) -> list[BlockTableEntry]:
+    def block_table(self, seq_id: str) -> list[BlockRef]:
         return list(self._tables.get(seq_id, []))
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free_blocks
-
-    def allocate(self, seq_id: str, n: int) -> list[BlockTableEntry]:
-        """Append ``n`` rBlocks to ``seq_id``'s block table, each on the holder with the most free blocks."""
-        if not self.can_allocate(n):
-            raise CapacityExhausted(f"need {n} rBlocks, {self.num_free_blocks} free over {len(self.holders)} holders")
-        free = [h.pool.num_free for h in self.holders]
-        counts = [0] * len(self.holders)
-        order: list[int] = []
-        for _ in range(n):
-            p = max(range(len(free)), key=lambda i: (free[i], -i))
-            free[p] -= 1
-            counts[p] += 1
-            order.append(p)
-        fresh = {p: iter(self.holders[p].allocate(seq_id, c)) for p, c in enumerate(counts) if c}
-        entries = [(p, next(fresh[p])) for p in order]
-        self._tables.setdefault(seq_id, []).extend(entries)
-        return entries
-
     def try_allocate(self, seq_id: str, n: int) -> bool:
-        """All-or-nothing :meth:`allocate`; False when too few blocks are free (nothing changes)."""
-        if not self.can_allocate(n):
+        """Append ``n`` rBlocks to ``seq_id``'s block table; False (nothing changes) when they do not fit."""
+        table = self._tables.get(seq_id, [])
+        refs = self.placement.place(seq_id, n, len(table))
+        if refs is None:
             return False
-        self.allocate(seq_id, n)
+        if len(refs) != n:
+            raise InvalidRequest(f"placement returned {len(refs)} rBlocks for {n} asked for {seq_id!r}")
+        firsts = self._first_index.setdefault(seq_id, {})
+        for i, ref in enumerate(refs, start=len(table)):
+            firsts.setdefault(ref.holder, i)
+        self._tables[seq_id] = table + refs
         return True
 
+    def replace_table(self, seq_id: str, table: Sequence[BlockRef]) -> None:
+        """Point ``seq_id`` at another block table of the same length (the flip that ends a migration: the
+        new holders already recorded each rBlock's logical index at import). Takes effect at the next step."""
+        old = self._tables.get(seq_id)
+        if old is None or len(old) != len(table):
+            raise InvalidRequest(f"sequence {seq_id!r}: a new block table must replace one of the same length")
+        firsts: dict[HolderId, int] = {}
+        for i, ref in enumerate(table):
+            firsts.setdefault(ref.holder, i)
+        self._tables[seq_id], self._first_index[seq_id] = list(table), firsts
+
     def free(self, seq_id: str) -> int:
-        """Free every rBlock of ``seq_id`` on every holder; returns the number freed."""
-        self._tables.pop(seq_id, None)
-        return sum(h.free_sequence(seq_id) for h in self.holders)
+        """Free every rBlock of ``seq_id`` on every holder; returns the number freed (0 if none)."""
+        with self._lock:
+            self._released[seq_id] = self.placement_of(seq_id)
+            while len(self._released) > 1024:  # kept for pop_placement only: bounded
+                self._released.pop(next(iter(self._released)))
+        table = self._tables.pop(seq_id, [])
+        holders = list(self._first_index.pop(seq_id, {}))
+        if not table:
+            return 0
+        return self.placement.release(seq_id, holders)
+
+    def placement_of(self, seq_id: str) -> dict[HolderId, int]:
+        """rBlocks per holder of ``seq_id``."""
+        out: dict[HolderId, int] = {}
+        for ref in self._tables.get(seq_id, []):
+            out[ref.holder] = out.get(ref.holder, 0) + 1
+        return out
+
+    def pop_placement(self, seq_id: str) -> dict[HolderId, int]:
+        """rBlocks per holder of ``seq_id``, live or at its last release (then forgotten). Thread-safe."""
+        with self._lock:
+            released = self._released.pop(seq_id, None)
+        return released if released is not None else self.placement_of(seq_id)
 
     # ---- attention -----------------------------------------------------------------------------------
-    def prepare(self, seqs: list[SeqStepInput]) -> AttentionFn:
-        """Plan one step (queries of ``seqs`` concatenated in order) and return its attention callable."""
-        # (holder, plan, query rows in the step, step rows of the new tokens it stores)
-        plans: list[tuple[int, StepPlan, torch.Tensor, torch.Tensor]] = []
-        per_holder: dict[int, list[HolderSeqStep]] = {}
-        rows_of: dict[int, list[int]] = {}
+    def prepare(self, seqs: list[SeqStep], num_heads: int) -> StepAttention:
+        """Plan one step (queries of ``seqs`` concatenated in order) on every holder; returns its attention.
+
+        Raises :class:`InvalidRequest` when a block table is too short for its step.
+        """
+        plans: dict[HolderId, list[SeqStep]] = {}
+        query_rows: dict[HolderId, list[int]] = {}
+        new_rows: dict[HolderId, list[int]] = {}
         start = 0
         for s in seqs:
-            for p, item in split_step(self._tables.get(s.seq_id, []), self.block_size, s).items():
-                per_holder.setdefault(p, []).append(item)
-                rows_of.setdefault(p, []).extend(range(start, start + s.num_new))
+            for holder in self._holders_of_step(s):
+                plans.setdefault(holder, []).append(s)
+                query_rows.setdefault(holder, []).extend(range(start, start + s.num_new))
+                new_rows.setdefault(holder, [])
+            table = self._tables[s.seq_id]
+            for row, pos in enumerate(range(s.num_computed_tokens, s.context_len), start=start):
+                new_rows[table[pos // self.block_size].holder].append(row)
             start += s.num_new
-        for p in sorted(per_holder):
-            plan = self.holders[p].plan_step(per_holder[p])
-            rows = torch.tensor(rows_of[p], dtype=torch.int64)
-            plans.append((p, plan, rows, rows[plan.new_token_rows]))
-        return lambda layer, q, k, v: self._attend(layer, plans, q, k, v)
+        rows = {h: _HolderRows(self._index(query_rows[h], start), self._index(new_rows[h], start)) for h in plans}
+        step_id = next(self._step_ids)
+        self.transport.open_step(step_id, plans, num_heads)
+        return StepAttention(self, step_id, rows)
+
+    def _holders_of_step(self, s: SeqStep) -> list[HolderId]:
+        """Holders of an rBlock below the step's context, in table order."""
+        table = self._tables.get(s.seq_id, [])
+        num_blocks = -(-s.context_len // self.block_size)
+        if len(table) < num_blocks:
+            raise InvalidRequest(f"sequence {s.seq_id!r} has {len(table)} rBlocks for {s.context_len} tokens")
+        firsts = self._first_index[s.seq_id]
+        return [h for h, first in firsts.items() if first < num_blocks]
+
+    def _index(self, rows: list[int], num_tokens: int) -> torch.Tensor | None:
+        if len(rows) == num_tokens:  # rows are ascending and distinct: every row, in order
+            return None
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def _attend(
-        self,
-        layer: int,
-        plans: list[tuple[int, StepPlan, torch.Tensor, torch.Tensor]],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        self, step: StepAttention, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Fan out to every holder of the step, then merge: ``q [T, H, D]``, ``k, v [T, Hkv, D]`` -> ``[T, H, D]``."""
-        partials = PartialsBuffer(len(plans), q, self._merge)
-        for j, (p, plan, rows, new_rows) in enumerate(plans):
-            out_p, lse_p = self.holders[p].attend(layer, plan, q[rows], k[new_rows], v[new_rows])
-            partials.put(j, rows, out_p, lse_p)
-        return partials.merged()
+        started = time.perf_counter()
+        inputs = {
+            h: LayerInput(_take(q, r.query_rows), _take(k, r.new_rows), _take(v, r.new_rows))
+            for h, r in step.rows.items()
+        }
+        partials = self.transport.attend(step.step_id, layer, inputs)
+        if len(step.rows) == 1:
+            ((holder, rows),) = step.rows.items()
+            if rows.query_rows is None:  # one holder saw every query: its partial is the attention
+                out = partials[holder][0].to(device=q.device, dtype=q.dtype)
+                self._count(started)
+                return out
+        buffer = PartialsBuffer(len(step.rows), q, self._merge)
+        for j, (holder, rows) in enumerate(step.rows.items()):
+            buffer.put(j, rows.query_rows, *partials[holder])
+        out = buffer.merged()
+        self._count(started)
+        return out
+
+    def _count(self, started: float) -> None:
+        self.fan_out_seconds += time.perf_counter() - started
+        self.fan_out_count += 1
 
 
-def split_step(table: Sequence[tuple[H, int]], block_size: int, s: SeqStepInput) -> dict[H, HolderSeqStep]:
-    """Cut one sequence's step into per-holder items by its block table ``[(holder, block_id), ...]``.
-
-    Every holder of a block covering ``[0, num_computed + num_new)`` gets all of the step's queries (its
-    keys are part of every query's context) and the new tokens whose slots it holds. Raises
-    :class:`InvalidRequest` when the table is too short for the step.
-    """
-    context_len = s.num_computed + s.num_new
-    if len(table) * block_size < context_len:
-        raise InvalidRequest(f"sequence {s.seq_id!r} has {len(table)} rBlocks for {context_len} tokens")
-    positions = list(range(s.num_computed, context_len))
-    blocks: dict[H, tuple[list[int], list[int]]] = {}
-    for i, (p, b) in enumerate(table[: -(-context_len // block_size)]):
-        ids, idx = blocks.setdefault(p, ([], []))
-        ids.append(b)
-        idx.append(i)
-    new: dict[H, tuple[list[int], list[int]]] = {}
-    for row, pos in enumerate(positions):
-        p, b = table[pos // block_size]
-        slots, rows = new.setdefault(p, ([], []))
-        slots.append(b * block_size + pos % block_size)
-        rows.append(row)
-    return {
-        p: HolderSeqStep(s.seq_id, positions, context_len, ids, idx, *new.get(p, ([], [])))
-        for p, (ids, idx) in blocks.items()
-    }
+def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t.index_select(0, rows)

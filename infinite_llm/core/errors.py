@@ -67,6 +67,15 @@ class KVCapacityExceeded(CapacityExhausted):
     openai_code = "context_length_exceeded"
 
 
+class FailedPrecondition(InfiniteLLMError):
+    """The system is not in a state that allows the call (e.g. a member whose block size differs from the
+    cluster's): retrying the same call cannot help until an operator changes something."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
 class Unavailable(InfiniteLLMError):
     """A needed peer (server, manager, instance) is not reachable."""
 

@@ -9,7 +9,7 @@ wraps one behind gRPC.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,45 +38,56 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
-class HolderSeqStep:
-    """One sequence's share of a step on this holder.
+class SeqStep:
+    """One sequence of a step: ``num_new`` tokens from position ``num_computed_tokens`` (tokens with KV).
 
-    Attributes:
-        seq_id: the sequence.
-        query_positions: ``[num_query_tokens]`` positions of the step's queries (all of the sequence's
-            new tokens: every holder sees every query).
-        context_len: tokens whose KV exists after the step.
-        block_ids / block_indices: this holder's rBlocks of the sequence (physical id, logical index).
-        slot_mapping: ``[num_new_here]`` slots (``block_id * block_size + offset``) of the new tokens whose
-            K/V this holder stores; ``new_token_rows`` are their rows among the sequence's query tokens.
+    This is all a holder is told about a step: it derives block ids, positions and the slot mapping from the
+    rBlocks it recorded at commit (DESIGN.md §3: a step is planned once, no block ids travel).
     """
 
     seq_id: str
-    query_positions: list[int]
-    context_len: int
-    block_ids: list[int]
-    block_indices: list[int]
-    slot_mapping: list[int]
-    new_token_rows: list[int]
+    num_computed_tokens: int
+    num_new: int
+
+    @property
+    def context_len(self) -> int:
+        """Tokens whose KV exists after the step."""
+        return self.num_computed_tokens + self.num_new
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Tensors of a validated step, reused by every layer. ``new_token_rows`` index the plan's queries."""
+    """One holder's plan of a step, built once by :meth:`RManager.plan_step` and reused by every layer.
+
+    Attributes:
+        meta: which keys each query sees (int64 tensors on the KV device).
+        slot_mapping: ``[num_new_here]`` int64 slots (``block_id * block_size + offset``) of the new tokens
+            whose K/V this holder stores, in step order.
+        num_tokens: query rows of the plan (every new token of each planned sequence, in step order).
+        seq_versions: ``(seq_id, version)`` of each sequence at planning; a free in between voids the plan.
+    """
 
     meta: PartialAttentionMetadata
     slot_mapping: torch.Tensor
-    new_token_rows: torch.Tensor
     num_tokens: int
+    seq_versions: tuple[tuple[str, int], ...]
+
+    @property
+    def num_new_here(self) -> int:
+        return int(self.slot_mapping.shape[0])
 
 
 class RManager:
     """KV memory of one holder: pool + paged KV ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
 
+    Each committed rBlock is recorded with its logical index in its sequence's block table (entry ``i``
+    covers tokens ``[i*block_size, (i+1)*block_size)``), so a step needs only ``(seq_id,
+    num_computed_tokens, num_new)`` per sequence (:meth:`plan_step`).
+
     Raises:
         CapacityExhausted: not enough free rBlocks (nothing changes).
         NotFound: an unknown sequence or reservation.
-        InvalidRequest: a step names blocks the sequence does not own, or bad positions.
+        InvalidRequest: a logical index given twice, bad step counts, tensors that do not fit the plan.
     """
 
     def __init__(
@@ -87,19 +98,22 @@ class RManager:
         attention_impl: PartialAttentionFn = partial_attention,
     ) -> None:
         self.layout = layout
+        self.device = torch.device(device)
         self.pool = RBlockPool(num_blocks)
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=layout.dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.k_cache = torch.zeros(shape, dtype=layout.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=layout.dtype, device=self.device)
         self._attention_impl = attention_impl
-        self._owned: dict[str, list[int]] = {}
+        self._owned: dict[str, dict[int, int]] = {}  # seq_id -> {logical index: block id}, in commit order
         self._pending: dict[int, str] = {}
+        self._versions: dict[str, int] = {}  # bumped when a sequence's blocks are freed: voids older plans
 
     # ---- ownership ---------------------------------------------------------------------------------
-    def allocate(self, seq_id: str, n: int) -> list[int]:
-        """Allocate ``n`` rBlocks to ``seq_id`` (appended to what it owns here)."""
-        ids = self.pool.allocate(n)
-        self._owned.setdefault(seq_id, []).extend(ids)
+    def allocate(self, seq_id: str, block_indices: Sequence[int]) -> list[int]:
+        """Allocate one rBlock per logical index in ``block_indices`` to ``seq_id``; returns the block ids."""
+        self._check_indices(seq_id, block_indices)
+        ids = self.pool.allocate(len(block_indices))
+        self._record(seq_id, block_indices, ids)
         return ids
 
     def reserve(self, seq_id: str, n: int) -> Reservation:
@@ -108,15 +122,35 @@ class RManager:
         self._pending[r.reservation_id] = seq_id
         return r
 
-    def commit(self, reservation_id: int) -> list[int]:
-        """Phase two: the reserved blocks now belong to their sequence."""
+    def commit(self, reservation_id: int, block_indices: Sequence[int]) -> list[int]:
+        """Phase two: the reserved blocks now belong to their sequence at logical ``block_indices``
+        (one per block, in reservation order)."""
         seq_id = self._pending.get(reservation_id)
         if seq_id is None:
             raise NotFound(f"no reservation {reservation_id}")
+        if len(block_indices) != len(self.pool.reserved_ids(reservation_id)):
+            raise InvalidRequest(
+                f"reservation {reservation_id} holds {len(self.pool.reserved_ids(reservation_id))} rBlocks, "
+                f"got {len(block_indices)} block indices"
+            )
+        self._check_indices(seq_id, block_indices)
         ids = self.pool.commit(reservation_id)
         del self._pending[reservation_id]
-        self._owned.setdefault(seq_id, []).extend(ids)
+        self._record(seq_id, block_indices, ids)
         return ids
+
+    def _check_indices(self, seq_id: str, block_indices: Sequence[int]) -> None:
+        owned = self._owned.get(seq_id, {})
+        if any(i < 0 for i in block_indices) or len(set(block_indices)) != len(block_indices):
+            raise InvalidRequest(f"block indices {list(block_indices)[:8]} of {seq_id!r} must be distinct and >= 0")
+        taken = [i for i in block_indices if i in owned]
+        if taken:
+            raise InvalidRequest(f"sequence {seq_id!r} already holds logical blocks {taken[:8]} here")
+
+    def _record(self, seq_id: str, block_indices: Sequence[int], ids: Sequence[int]) -> None:
+        owned = self._owned.setdefault(seq_id, {})
+        owned.update(zip(block_indices, ids, strict=True))
+        self._versions.setdefault(seq_id, 0)
 
     def cancel(self, reservation_id: int) -> None:
         self.pool.cancel(reservation_id)
@@ -124,57 +158,81 @@ class RManager:
 
     def free_sequence(self, seq_id: str) -> int:
         """Free every rBlock (and pending reservation) of ``seq_id``; returns how many blocks were freed."""
-        ids = self._owned.pop(seq_id, [])
+        ids = list(self._owned.pop(seq_id, {}).values())
         self.pool.free(ids)
+        if seq_id in self._versions:
+            self._versions[seq_id] += 1
         for rid in [r for r, s in self._pending.items() if s == seq_id]:
             self.cancel(rid)
         return len(ids)
 
     def owned_blocks(self, seq_id: str) -> list[int]:
-        return list(self._owned.get(seq_id, []))
+        """Block ids of ``seq_id`` here, in commit order."""
+        return list(self._owned.get(seq_id, {}).values())
+
+    def block_indices(self, seq_id: str, block_ids: Sequence[int]) -> list[int]:
+        """Logical index of each of ``seq_id``'s ``block_ids`` (for export)."""
+        index_of = {b: i for i, b in self._owned.get(seq_id, {}).items()}
+        return [index_of[b] for b in block_ids]
 
     def sequences(self) -> list[str]:
         return list(self._owned)
 
     # ---- attention ---------------------------------------------------------------------------------
-    def plan_step(self, items: list[HolderSeqStep]) -> StepPlan:
-        """Validate a step's items against ownership and build the tensors every layer reuses."""
+    def plan_step(self, seqs: Sequence[SeqStep]) -> StepPlan:
+        """Build the tensors every layer of a step reuses, from what this holder recorded at commit.
+
+        Each sequence's queries are all its ``num_new`` tokens (every holder of its context sees every
+        query); its keys are its rBlocks here with logical index below ``ceil(context_len / block_size)``;
+        the new tokens whose rBlock is here get slots. A sequence with no such rBlock is an empty part
+        (``lse = -inf``). Raises ``NotFound`` for a sequence that holds nothing here, ``InvalidRequest``
+        for bad counts or a sequence listed twice.
+        """
         bs = self.layout.block_size
-        starts, positions, ctx, nblk, rows, slots = [0], [], [], [], [], []
-        width = max((len(it.block_ids) for it in items), default=0)
-        ids = torch.zeros(len(items), width, dtype=torch.int64)
-        idx = torch.zeros(len(items), width, dtype=torch.int64)
-        for s, it in enumerate(items):
-            owned = set(self._owned.get(it.seq_id, ()))
+        if len({s.seq_id for s in seqs}) != len(seqs):
+            raise InvalidRequest("a sequence appears twice in one step")
+        starts, positions, ctx, ids, idx, slots = [0], [], [], [], [], []
+        for s in seqs:
+            owned = self._owned.get(s.seq_id)
             if not owned:
-                raise NotFound(f"sequence {it.seq_id!r} holds no rBlocks here")
-            bad = [b for b in it.block_ids if b not in owned]
-            if bad or any(sl // bs not in owned for sl in it.slot_mapping):
-                raise InvalidRequest(f"sequence {it.seq_id!r} does not own rBlocks {bad or 'of its slots'}")
-            if any(p < 0 or p >= it.context_len for p in it.query_positions):
-                raise InvalidRequest(f"query position outside [0, {it.context_len}) for {it.seq_id!r}")
-            ids[s, : len(it.block_ids)] = torch.tensor(it.block_ids, dtype=torch.int64)
-            idx[s, : len(it.block_indices)] = torch.tensor(it.block_indices, dtype=torch.int64)
-            rows.extend(starts[-1] + r for r in it.new_token_rows)
-            slots.extend(it.slot_mapping)
-            positions.extend(it.query_positions)
-            starts.append(starts[-1] + len(it.query_positions))
-            ctx.append(it.context_len)
-            nblk.append(len(it.block_ids))
-        device = self.k_cache.device
-        meta = PartialAttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
-            query_positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            block_ids=ids.to(device),
-            block_indices=idx.to(device),
-            num_blocks=torch.tensor(nblk, dtype=torch.int64, device=device),
-            context_lens=torch.tensor(ctx, dtype=torch.int64, device=device),
-        )
+                raise NotFound(f"sequence {s.seq_id!r} holds no rBlocks here")
+            if s.num_computed_tokens < 0 or s.num_new < 1:
+                raise InvalidRequest(
+                    f"sequence {s.seq_id!r}: bad step ({s.num_computed_tokens} computed, {s.num_new} new)"
+                )
+            num_blocks = -(-s.context_len // bs)
+            visible = [(i, b) for i, b in owned.items() if i < num_blocks]
+            idx.append([i for i, _ in visible])
+            ids.append([b for _, b in visible])
+            for pos in range(s.num_computed_tokens, s.context_len):
+                block = owned.get(pos // bs)
+                if block is not None:
+                    slots.append(block * bs + pos % bs)
+            positions.extend(range(s.num_computed_tokens, s.context_len))
+            starts.append(starts[-1] + s.num_new)
+            ctx.append(s.context_len)
         return StepPlan(
-            meta=meta,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            new_token_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            meta=self._metadata(starts, positions, ctx, ids, idx),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_tokens=starts[-1],
+            seq_versions=tuple((s.seq_id, self._versions[s.seq_id]) for s in seqs),
+        )
+
+    def _metadata(self, starts, positions, ctx, ids, idx) -> PartialAttentionMetadata:  # noqa: ANN001
+        """Padded ``[num_seqs, max_blocks]`` block lists and the rest as int64 tensors on the KV device."""
+        width = max((len(r) for r in ids), default=0)
+        pad = [[0] * (width - len(r)) for r in ids]
+
+        def tensor(x):  # noqa: ANN001, ANN202
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        return PartialAttentionMetadata(
+            query_start_loc=tensor(starts),
+            query_positions=tensor(positions),
+            block_ids=tensor([r + p for r, p in zip(ids, pad, strict=True)]).view(len(ids), width),
+            block_indices=tensor([r + p for r, p in zip(idx, pad, strict=True)]).view(len(idx), width),
+            num_blocks=tensor([len(r) for r in ids]),
+            context_lens=tensor(ctx),
         )
 
     def attend(
@@ -184,10 +242,10 @@ class RManager:
 
         Args:
             layer: layer index.
-            plan: from :meth:`plan_step`.
-            query: ``[plan.num_tokens, num_heads, head_dim]``.
-            new_key, new_value: ``[len(plan.slot_mapping), num_kv_heads, head_dim]``, only the K/V stored here,
-                in slot-mapping order (a caller holding every token's K/V selects ``plan.new_token_rows``).
+            plan: from :meth:`plan_step`; refused (``NotFound``) if one of its sequences was freed since.
+            query: ``[plan.num_tokens, num_heads, head_dim]`` on the KV device.
+            new_key, new_value: ``[plan.num_new_here, num_kv_heads, head_dim]``: only the K/V stored here, in
+                step order.
 
         Returns:
             ``(partial_out [num_tokens, num_heads, head_dim], lse [num_tokens, num_heads] fp32)``, already
@@ -195,6 +253,14 @@ class RManager:
         """
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidRequest(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        if query.shape[0] != plan.num_tokens or new_key.shape[0] != plan.num_new_here:
+            raise InvalidRequest(
+                f"the step planned {plan.num_tokens} queries and {plan.num_new_here} new K/V rows here, "
+                f"got {query.shape[0]} and {new_key.shape[0]}"
+            )
+        stale = [s for s, v in plan.seq_versions if self._versions.get(s) != v or s not in self._owned]
+        if stale:
+            raise NotFound(f"sequences {stale[:4]} were freed during the step")
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         write_kv(k_cache, v_cache, plan.slot_mapping, new_key, new_value)
         return self._attention_impl(query, k_cache, v_cache, plan.meta)

@@ -10,12 +10,13 @@ from collections.abc import Callable
 
 import torch
 
-from infinite_llm.core.dist_attention import SeqStepInput
-from infinite_llm.core.model import AttentionFn, LlamaForCausalLM
+from infinite_llm.core.dist_attention import StepAttention
+from infinite_llm.core.model import LlamaForCausalLM
+from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.core.sampling import sample
 from infinite_llm.core.scheduler import ScheduledSeq
 
-PrepareFn = Callable[[list[SeqStepInput]], AttentionFn]
+PrepareFn = Callable[[list[SeqStep], int], StepAttention]  # (step's sequences, num_heads) -> attention
 
 
 class ModelRunner:
@@ -35,17 +36,19 @@ class ModelRunner:
         positions: list[int] = []
         logit_rows: list[int] = []
         for s in scheduled:
-            ids.extend(s.seq.all_token_ids[s.start : s.start + s.num_new])
-            positions.extend(range(s.start, s.start + s.num_new))
+            lo, hi = s.num_computed_tokens, s.num_computed_tokens + s.num_new
+            ids.extend(s.seq.all_token_ids[lo:hi])
+            positions.extend(range(lo, hi))
             if s.samples:
                 logit_rows.append(len(ids) - 1)
-        attention = self.prepare_attention([SeqStepInput(s.seq.seq_id, s.start, s.num_new) for s in scheduled])
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            attention,
-            torch.tensor(logit_rows, dtype=torch.int64, device=self.device),
-        )  # (num_sampling_seqs, vocab)
+        steps = [SeqStep(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in scheduled]
+        with self.prepare_attention(steps, self.model.config.num_attention_heads) as attention:
+            logits = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                attention,
+                torch.tensor(logit_rows, dtype=torch.int64, device=self.device),
+            )  # (num_sampling_seqs, vocab)
         sampling = [s for s in scheduled if s.samples]
         tokens = sample(logits, [s.seq.params for s in sampling], [len(s.seq.output_token_ids) for s in sampling])
         return {s.seq.seq_id: t for s, t in zip(sampling, tokens, strict=True)}

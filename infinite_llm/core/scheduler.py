@@ -72,15 +72,16 @@ class Sequence:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """``num_new`` tokens of ``seq`` run this step, from position ``start``; ``samples`` when it ends the prompt."""
+    """``num_new`` tokens of ``seq`` run this step, from position ``num_computed_tokens`` (the tokens that
+    already have KV); ``samples`` when the step ends the sequence's known tokens."""
 
     seq: Sequence
-    start: int
+    num_computed_tokens: int
     num_new: int
 
     @property
     def samples(self) -> bool:
-        return self.start + self.num_new == self.seq.num_tokens
+        return self.num_computed_tokens + self.num_new == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class Scheduler:
     def mark_computed(self, out: SchedulerOutput) -> None:
         """Record that the step ran: every scheduled sequence now has KV for its new tokens."""
         for s in out.scheduled:
-            assert s.seq.num_computed_tokens == s.start, "step results applied twice"
+            assert s.seq.num_computed_tokens == s.num_computed_tokens, "step results applied twice"
             s.seq.num_computed_tokens += s.num_new
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -15,11 +15,12 @@ from typing import Protocol
 
 import torch
 
-from infinite_llm.core.config import ModelConfig
-from infinite_llm.core.dist_attention import LocalDistAttention, SeqStepInput
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE, ModelConfig
+from infinite_llm.core.dist_attention import DistAttention, StepAttention
 from infinite_llm.core.errors import ContextLengthExceeded, InvalidRequest, NotFound
-from infinite_llm.core.model import AttentionFn, LlamaForCausalLM
-from infinite_llm.core.rmanager import KVLayout, RManager
+from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
+from infinite_llm.core.model import LlamaForCausalLM
+from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
 from infinite_llm.core.runner import ModelRunner
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.core.scheduler import BlockManager, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
@@ -32,14 +33,14 @@ class KVBackend(BlockManager, Protocol):
     @property
     def num_free_blocks(self) -> int: ...
 
-    def prepare(self, seqs: list[SeqStepInput]) -> AttentionFn: ...
+    def prepare(self, seqs: list[SeqStep], num_heads: int) -> StepAttention: ...
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine limits. ``num_kv_blocks`` rBlocks in all, split evenly over ``num_partitions`` rManagers."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int = 2048
     num_partitions: int = 1
     max_num_seqs: int = 64
@@ -73,7 +74,7 @@ class LLMEngine:
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.config = config
-        self.kv: KVBackend = kv if kv is not None else LocalDistAttention(_make_holders(model.config, config))
+        self.kv: KVBackend = kv if kv is not None else local_dist_attention(model.config, config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(model, self.kv.prepare, config.device)
         self._requests: dict[str, _Request] = {}
@@ -252,21 +253,19 @@ class LLMEngine:
                 self.abort(rid)
 
 
-def _make_holders(model: ModelConfig, config: EngineConfig) -> list[RManager]:
+def local_dist_attention(model: ModelConfig, config: EngineConfig) -> DistAttention:
+    """DistAttention over ``config.num_partitions`` in-process rManagers on ``config.device``."""
+    from infinite_llm.kernels import merge_partials, partial_attention  # Triton on CUDA, torch elsewhere
+
     assert model.head_dim is not None
     layout = KVLayout(
         model.num_hidden_layers, config.block_size, model.num_key_value_heads, model.head_dim, config.dtype
     )
     base, extra = divmod(config.num_kv_blocks, config.num_partitions)
-    impl = _attention_impl()
-    return [
-        RManager(base + (1 if p < extra else 0), layout, config.device, attention_impl=impl)
+    holders = {
+        partition_id(p): RManager(base + (p < extra), layout, config.device, attention_impl=partial_attention)
         for p in range(config.num_partitions)
-    ]
-
-
-def _attention_impl():  # noqa: ANN202
-    """The kernels package dispatches to Triton on CUDA and to the torch reference on CPU."""
-    from infinite_llm.kernels import partial_attention
-
-    return partial_attention
+    }
+    return DistAttention(
+        LocalPlacement(holders), LocalTransport(holders), config.block_size, config.device, merge_partials
+    )

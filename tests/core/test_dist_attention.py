@@ -1,36 +1,82 @@
-"""LocalDistAttention: placement, block tables, frees, and fan-out + merge equal to one partition."""
+"""DistAttention over in-process holders: placement, block tables, frees, step plans, fan-out + merge."""
 
 import pytest
 import torch
 
-from infinite_llm.core.dist_attention import LocalDistAttention, SeqStepInput
-from infinite_llm.core.errors import CapacityExhausted
-from infinite_llm.core.rmanager import KVLayout, RManager
+from infinite_llm.core.dist_attention import BlockRef, DistAttention
+from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
+from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
+P0, P1, P2 = (partition_id(p) for p in range(3))
 
 
 def _dist(blocks_per_holder):
-    return LocalDistAttention([RManager(n, LAYOUT) for n in blocks_per_holder])
+    holders = {partition_id(p): RManager(n, LAYOUT) for p, n in enumerate(blocks_per_holder)}
+    return DistAttention(LocalPlacement(holders), LocalTransport(holders), LAYOUT.block_size)
 
 
 def test_new_blocks_go_to_the_holder_with_most_free():
     d = _dist([3, 3, 5])
-    assert d.allocate("a", 4) == [(2, 0), (2, 1), (0, 0), (1, 0)]
-    assert d.allocate("b", 2) == [(2, 2), (0, 1)]  # free was [2, 2, 3]
-    assert d.block_table("a") == [(2, 0), (2, 1), (0, 0), (1, 0)]
+    assert d.try_allocate("a", 4)
+    assert d.block_table("a") == [BlockRef(P2, 0), BlockRef(P2, 1), BlockRef(P0, 0), BlockRef(P1, 0)]
+    assert d.try_allocate("b", 2)
+    assert d.block_table("b") == [BlockRef(P2, 2), BlockRef(P0, 1)]  # free was [2, 2, 3]
     assert d.num_free_blocks == 5
+
+
+def test_holders_record_the_logical_index_of_each_rblock_at_commit():
+    d = _dist([3, 3, 5])
+    d.try_allocate("a", 4)
+    d.try_allocate("a", 2)  # indices 4, 5 go to [P2 (free 3), P0 (free 2, first on a tie)]
+    holders = d.placement.holders
+    assert holders[P2].block_indices("a", holders[P2].owned_blocks("a")) == [0, 1, 4]
+    assert holders[P0].block_indices("a", holders[P0].owned_blocks("a")) == [2, 5]
+    assert holders[P1].block_indices("a", holders[P1].owned_blocks("a")) == [3]
 
 
 def test_failed_allocation_changes_nothing_and_free_returns_every_block():
     d = _dist([2, 2])
-    d.allocate("a", 3)
-    with pytest.raises(CapacityExhausted):
-        d.allocate("b", 2)
+    assert d.try_allocate("a", 3)
+    assert not d.try_allocate("b", 2)
     assert d.num_free_blocks == 1 and d.block_table("b") == []
     assert d.free("a") == 3
     assert d.num_free_blocks == 4
-    assert [h.pool.free_block_ids() for h in d.holders] == [[0, 1], [1, 0]]
+    assert [h.pool.free_block_ids() for h in d.placement.holders.values()] == [[0, 1], [1, 0]]
+
+
+def test_a_holder_plans_a_step_from_its_own_records():
+    """Block size 4, a sequence of 10 tokens over P0 (blocks 0, 2) and P1 (block 1): the plan of a 3-token
+    step from position 7 needs no block id from the caller."""
+    holders = {P0: RManager(4, LAYOUT), P1: RManager(4, LAYOUT)}
+    holders[P0].allocate("s", [0, 2])
+    holders[P1].allocate("s", [1])
+    plan0 = holders[P0].plan_step([SeqStep("s", 7, 3)])
+    plan1 = holders[P1].plan_step([SeqStep("s", 7, 3)])
+    assert plan0.meta.block_ids.tolist() == [[0, 1]] and plan0.meta.block_indices.tolist() == [[0, 2]]
+    assert plan0.slot_mapping.tolist() == [1 * 4 + 0, 1 * 4 + 1]  # positions 8, 9 live in block 2 (id 1)
+    assert plan1.slot_mapping.tolist() == [0 * 4 + 3]  # position 7 lives in block 1 (id 0 on P1)
+    assert plan0.meta.query_positions.tolist() == [7, 8, 9] == plan1.meta.query_positions.tolist()
+    assert plan0.meta.context_lens.tolist() == [10]
+
+
+def test_a_plan_is_void_once_its_sequence_is_freed():
+    rm = RManager(4, LAYOUT)
+    rm.allocate("s", [0])
+    plan = rm.plan_step([SeqStep("s", 0, 2)])
+    rm.free_sequence("s")
+    rm.allocate("t", [0])  # reuses the block
+    q, kv = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8)
+    with pytest.raises(NotFound):
+        rm.attend(0, plan, q, kv, kv)
+
+
+def test_a_step_longer_than_the_block_table_is_refused():
+    d = _dist([4])
+    d.try_allocate("a", 1)
+    with pytest.raises(InvalidRequest):
+        d.prepare([SeqStep("a", 0, 5)], num_heads=4)
 
 
 def _run_steps(d, seq_lens, chunk, seed=0):
@@ -39,18 +85,18 @@ def _run_steps(d, seq_lens, chunk, seed=0):
     outs = []
     done = dict.fromkeys(seq_lens, 0)
     for sid, n in seq_lens.items():
-        d.allocate(sid, -(-n // LAYOUT.block_size))
+        assert d.try_allocate(sid, -(-n // LAYOUT.block_size))
     while any(done[s] < seq_lens[s] for s in seq_lens):
-        step = [SeqStepInput(s, done[s], min(chunk, seq_lens[s] - done[s])) for s in seq_lens if done[s] < seq_lens[s]]
+        step = [SeqStep(s, done[s], min(chunk, seq_lens[s] - done[s])) for s in seq_lens if done[s] < seq_lens[s]]
         t = sum(s.num_new for s in step)
-        attn = d.prepare(step)
-        for layer in range(LAYOUT.num_layers):
-            q = torch.randn(t, 4, 8, generator=g)
-            k = torch.randn(t, 2, 8, generator=g)
-            v = torch.randn(t, 2, 8, generator=g)
-            o = attn(layer, q, k, v)
-            if layer == 1:
-                outs.append(o)
+        with d.prepare(step, num_heads=4) as attn:
+            for layer in range(LAYOUT.num_layers):
+                q = torch.randn(t, 4, 8, generator=g)
+                k = torch.randn(t, 2, 8, generator=g)
+                v = torch.randn(t, 2, 8, generator=g)
+                o = attn(layer, q, k, v)
+                if layer == 1:
+                    outs.append(o)
         for s in step:
             done[s.seq_id] += s.num_new
     return outs

@@ -2,8 +2,9 @@
 
 import pytest
 
-from infinite_llm.core.dist_attention import LocalDistAttention
+from infinite_llm.core.dist_attention import DistAttention
 from infinite_llm.core.errors import CapacityExhausted, InvalidRequest
+from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
 from infinite_llm.core.rmanager import KVLayout, RManager
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.core.scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
@@ -12,7 +13,8 @@ LAYOUT = KVLayout(num_layers=1, block_size=4, num_kv_heads=1, head_dim=4)
 
 
 def _sched(num_blocks, max_seqs=8, budget=8):
-    kv = LocalDistAttention([RManager(num_blocks, LAYOUT)])
+    holders = {partition_id(0): RManager(num_blocks, LAYOUT)}
+    kv = DistAttention(LocalPlacement(holders), LocalTransport(holders), LAYOUT.block_size)
     return Scheduler(SchedulerConfig(max_seqs, budget), kv), kv
 
 
@@ -35,10 +37,10 @@ def test_long_prompt_is_prefilled_in_chunks_under_the_budget():
     spans = []
     for _ in range(3):
         out = sched.schedule()
-        spans.append([(s.seq.seq_id, s.start, s.num_new, s.samples) for s in out.scheduled])
+        spans.append([(s.seq.seq_id, s.num_computed_tokens, s.num_new, s.samples) for s in out.scheduled])
         _run(sched, out)
     assert spans == [[("a", 0, 8, False)], [("a", 8, 8, False)], [("a", 16, 3, True)]]
-    assert kv.block_table("a") == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]
+    assert [b.block_id for b in kv.block_table("a")] == [0, 1, 2, 3, 4]
 
 
 def test_decodes_run_first_then_waiting_prefills_fill_the_budget():
@@ -50,7 +52,7 @@ def test_decodes_run_first_then_waiting_prefills_fill_the_budget():
     assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [("a", 2), ("b", 4)]
     _run(sched, out)
     out = sched.schedule()
-    assert [(s.seq.seq_id, s.start, s.num_new) for s in out.scheduled] == [
+    assert [(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in out.scheduled] == [
         ("a", 2, 1),
         ("b", 4, 1),
         ("c", 0, 3),

@@ -53,7 +53,7 @@ async def _serve_everything(default_weights, tmp_path):
     from infinite_llm.services.attention.registrar import Registrar
     from infinite_llm.services.attention.server import AttentionServerConfig, start
     from infinite_llm.services.compute.engine_loop import EngineLoop
-    from infinite_llm.services.compute.remote_kv import RemoteKV
+    from infinite_llm.services.compute.remote_kv import remote_dist_attention
     from infinite_llm.services.compute.servicer import ComputeInstanceServicer
     from infinite_llm.services.gateway.app import create_app
     from infinite_llm.services.gateway.backend import RouterBackend
@@ -71,7 +71,9 @@ async def _serve_everything(default_weights, tmp_path):
     store = EtcdStore(etcd.host, etcd.client_port)
     await store.connect()
     holder = []
-    manager = GlobalManager(store, GrpcBlockServers(lambda s: holder[0].address_of(s)), ManagerConfig("m0"))
+    manager = GlobalManager(
+        store, GrpcBlockServers(lambda s: holder[0].address_of(s)), ManagerConfig("m0", block_size=BLOCK_SIZE)
+    )
     await manager.start(acquire_timeout_s=30)
     holder.append(GlobalManagerServicer(manager))
     manager_rpc = await start_server(
@@ -90,7 +92,7 @@ async def _serve_everything(default_weights, tmp_path):
         stop += [registrar.stop, server.stop]
     from infinite_llm.engine import EngineConfig, LLMEngine
 
-    kv = RemoteKV(manager_address, BLOCK_SIZE)
+    kv = remote_dist_attention(manager_address, BLOCK_SIZE)
     engine = LLMEngine.from_weights(model_config, state_dict, tokenizer, EngineConfig(block_size=BLOCK_SIZE), kv=kv)
     loop = EngineLoop(engine)
     loop.start()

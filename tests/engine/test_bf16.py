@@ -17,7 +17,7 @@ def test_bf16_engine_tracks_fp32(default_weights):
         engine = LLMEngine.from_weights(
             model_config, state_dict, tokenizer, EngineConfig(num_kv_blocks=64, num_partitions=2, dtype=dtype)
         )
-        assert engine.kv.holders[0].k_cache.dtype == dtype  # the KV cache is bf16 too
+        assert next(iter(engine.kv.placement.holders.values())).k_cache.dtype == dtype  # the KV cache is bf16 too
         rec = LogitsRecorder(engine)
         tokens[dtype] = engine.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
         logits[dtype] = rec.steps[0][0]  # next-token logits after the prompt, fp32 [vocab]

@@ -24,10 +24,12 @@ class ReserveBlocksResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitBlocksRequest(_message.Message):
-    __slots__ = ("reservation_id",)
+    __slots__ = ("reservation_id", "block_indices")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
-    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitBlocksResponse(_message.Message):
     __slots__ = ("seq_id", "block_ids")
@@ -59,51 +61,87 @@ class FreeSequenceResponse(_message.Message):
     num_freed: int
     def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
 
-class SeqAttend(_message.Message):
-    __slots__ = ("seq_id", "query", "query_positions", "context_len", "block_ids", "block_indices", "slot_mapping", "key", "value")
+class StepSeq(_message.Message):
+    __slots__ = ("seq_id", "num_computed_tokens", "num_new")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_computed_tokens: int
+    num_new: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new: _Optional[int] = ...) -> None: ...
+
+class StepOpen(_message.Message):
+    __slots__ = ("step_id", "seqs", "num_heads", "tensor_channel")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    seqs: _containers.RepeatedCompositeFieldContainer[StepSeq]
+    num_heads: int
+    tensor_channel: str
+    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[StepSeq, _Mapping]]] = ..., num_heads: _Optional[int] = ..., tensor_channel: _Optional[str] = ...) -> None: ...
+
+class LayerInput(_message.Message):
+    __slots__ = ("layer", "query", "key", "value")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
-    QUERY_POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
-    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
+    layer: int
     query: _tensor_pb2.Tensor
-    query_positions: _containers.RepeatedScalarFieldContainer[int]
-    context_len: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    block_indices: _containers.RepeatedScalarFieldContainer[int]
-    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
     key: _tensor_pb2.Tensor
     value: _tensor_pb2.Tensor
-    def __init__(self, seq_id: _Optional[str] = ..., query: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., query_positions: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_indices: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, layer: _Optional[int] = ..., query: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., key: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
-class AttendStepRequest(_message.Message):
-    __slots__ = ("layer", "seqs")
+class AttendStreamRequest(_message.Message):
+    __slots__ = ("open", "layer")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
-    SEQS_FIELD_NUMBER: _ClassVar[int]
-    layer: int
-    seqs: _containers.RepeatedCompositeFieldContainer[SeqAttend]
-    def __init__(self, layer: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqAttend, _Mapping]]] = ...) -> None: ...
+    open: StepOpen
+    layer: LayerInput
+    def __init__(self, open: _Optional[_Union[StepOpen, _Mapping]] = ..., layer: _Optional[_Union[LayerInput, _Mapping]] = ...) -> None: ...
 
-class SeqPartial(_message.Message):
-    __slots__ = ("seq_id", "partial_out", "lse")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+class LayerPartial(_message.Message):
+    __slots__ = ("layer", "partial_out", "lse")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_OUT_FIELD_NUMBER: _ClassVar[int]
     LSE_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
+    layer: int
     partial_out: _tensor_pb2.Tensor
     lse: _tensor_pb2.Tensor
-    def __init__(self, seq_id: _Optional[str] = ..., partial_out: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, layer: _Optional[int] = ..., partial_out: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
-class AttendStepResponse(_message.Message):
-    __slots__ = ("partials",)
-    PARTIALS_FIELD_NUMBER: _ClassVar[int]
-    partials: _containers.RepeatedCompositeFieldContainer[SeqPartial]
-    def __init__(self, partials: _Optional[_Iterable[_Union[SeqPartial, _Mapping]]] = ...) -> None: ...
+class OpenTensorChannelRequest(_message.Message):
+    __slots__ = ("channel_id", "store_host", "store_port", "backend", "timeout_ms")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    store_host: str
+    store_port: int
+    backend: str
+    timeout_ms: int
+    def __init__(self, channel_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class OpenTensorChannelResponse(_message.Message):
+    __slots__ = ("device",)
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    def __init__(self, device: _Optional[str] = ...) -> None: ...
+
+class CloseTensorChannelRequest(_message.Message):
+    __slots__ = ("channel_id",)
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    def __init__(self, channel_id: _Optional[str] = ...) -> None: ...
+
+class CloseTensorChannelResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ExportBlocksRequest(_message.Message):
     __slots__ = ("seq_id", "block_ids", "chunk_bytes")
@@ -116,16 +154,18 @@ class ExportBlocksRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class BlockTransferHeader(_message.Message):
-    __slots__ = ("seq_id", "block_ids", "payload", "reservation_id")
+    __slots__ = ("seq_id", "block_ids", "payload", "reservation_id", "block_indices")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     payload: _tensor_pb2.Tensor
     reservation_id: int
-    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., reservation_id: _Optional[int] = ...) -> None: ...
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., reservation_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockTransferChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -54,10 +54,20 @@ class AttentionServerStub:
                 request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.FreeSequenceRequest.SerializeToString,
                 response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.FreeSequenceResponse.FromString,
                 _registered_method=True)
-        self.AttendStep = channel.unary_unary(
-                '/infinite_llm.v1.AttentionServer/AttendStep',
-                request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttendStepRequest.SerializeToString,
-                response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttendStepResponse.FromString,
+        self.AttendStream = channel.stream_stream(
+                '/infinite_llm.v1.AttentionServer/AttendStream',
+                request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttendStreamRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.LayerPartial.FromString,
+                _registered_method=True)
+        self.OpenTensorChannel = channel.unary_unary(
+                '/infinite_llm.v1.AttentionServer/OpenTensorChannel',
+                request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.OpenTensorChannelRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.OpenTensorChannelResponse.FromString,
+                _registered_method=True)
+        self.CloseTensorChannel = channel.unary_unary(
+                '/infinite_llm.v1.AttentionServer/CloseTensorChannel',
+                request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.CloseTensorChannelRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.CloseTensorChannelResponse.FromString,
                 _registered_method=True)
         self.ExportBlocks = channel.unary_stream(
                 '/infinite_llm.v1.AttentionServer/ExportBlocks',
@@ -107,10 +117,26 @@ class AttentionServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AttendStep(self, request, context):
-        """One layer of one step, batched over the step's sequences held here: store the new K/V in their
-        slots, then partial attention of every query over this server's rBlocks of its sequence.
+    def AttendStream(self, request_iterator, context):
+        """One step, batched over its sequences held here: a StepOpen (the server plans the step once), then
+        one LayerInput per layer, each answered by one LayerPartial: store the new K/V in their slots, then
+        partial attention of every query over this server's rBlocks of its sequence. The client half-closes
+        the stream at the end of the step.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenTensorChannel(self, request, context):
+        """torch.distributed fast path: join a 2-rank process group with a compute instance, over which the
+        tensors of AttendStream steps that name it travel (gRPC keeps plans, errors, deadlines, cancellation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseTensorChannel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -161,10 +187,20 @@ def add_AttentionServerServicer_to_server(servicer, server):
                     request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.FreeSequenceRequest.FromString,
                     response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.FreeSequenceResponse.SerializeToString,
             ),
-            'AttendStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.AttendStep,
-                    request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttendStepRequest.FromString,
-                    response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttendStepResponse.SerializeToString,
+            'AttendStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AttendStream,
+                    request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttendStreamRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.LayerPartial.SerializeToString,
+            ),
+            'OpenTensorChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTensorChannel,
+                    request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.OpenTensorChannelRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.OpenTensorChannelResponse.SerializeToString,
+            ),
+            'CloseTensorChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseTensorChannel,
+                    request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.CloseTensorChannelRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.CloseTensorChannelResponse.SerializeToString,
             ),
             'ExportBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportBlocks,
@@ -301,7 +337,34 @@ class AttentionServer:
             _registered_method=True)
 
     @staticmethod
-    def AttendStep(request,
+    def AttendStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/infinite_llm.v1.AttentionServer/AttendStream',
+            infinite__llm_dot_v1_dot_attention__server__pb2.AttendStreamRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_attention__server__pb2.LayerPartial.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTensorChannel(request,
             target,
             options=(),
             channel_credentials=None,
@@ -314,9 +377,36 @@ class AttentionServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/infinite_llm.v1.AttentionServer/AttendStep',
-            infinite__llm_dot_v1_dot_attention__server__pb2.AttendStepRequest.SerializeToString,
-            infinite__llm_dot_v1_dot_attention__server__pb2.AttendStepResponse.FromString,
+            '/infinite_llm.v1.AttentionServer/OpenTensorChannel',
+            infinite__llm_dot_v1_dot_attention__server__pb2.OpenTensorChannelRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_attention__server__pb2.OpenTensorChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseTensorChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.AttentionServer/CloseTensorChannel',
+            infinite__llm_dot_v1_dot_attention__server__pb2.CloseTensorChannelRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_attention__server__pb2.CloseTensorChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,

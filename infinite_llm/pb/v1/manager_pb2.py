@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dinfinite_llm/v1/manager.proto\x12\x0finfinite_llm.v1\"p\n\x0fRegisterRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x03\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x0c\n\x04kind\x18\x05 \x01(\t\"\'\n\x10RegisterResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x03\"f\n\x10HeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x03 \x01(\x03\x12\x15\n\rnum_sequences\x18\x04 \x01(\x05\"\x13\n\x11HeartbeatResponse\"J\n\x0cPlaceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\x12\x16\n\x0enear_server_id\x18\x03 \x01(\t\"C\n\nBlockGrant\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\"<\n\rPlaceResponse\x12+\n\x06grants\x18\x01 \x03(\x0b\x32\x1b.infinite_llm.v1.BlockGrant\" \n\x0eReleaseRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"$\n\x0fReleaseResponse\x12\x11\n\tnum_freed\x18\x01 \x01(\x03\"\x15\n\x13\x43lusterStateRequest\"\x9f\x01\n\x0bServerState\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x03\x12\x15\n\rnum_sequences\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\"G\n\x0bLedgerEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12(\n\x06shares\x18\x02 \x03(\x0b\x32\x18.infinite_llm.v1.KVShare\"0\n\x07KVShare\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\"s\n\x14\x43lusterStateResponse\x12-\n\x07servers\x18\x01 \x03(\x0b\x32\x1c.infinite_llm.v1.ServerState\x12,\n\x06ledger\x18\x02 \x03(\x0b\x32\x1c.infinite_llm.v1.LedgerEntry2\xaa\x03\n\rGlobalManager\x12O\n\x08Register\x12 .infinite_llm.v1.RegisterRequest\x1a!.infinite_llm.v1.RegisterResponse\x12R\n\tHeartbeat\x12!.infinite_llm.v1.HeartbeatRequest\x1a\".infinite_llm.v1.HeartbeatResponse\x12\x46\n\x05Place\x12\x1d.infinite_llm.v1.PlaceRequest\x1a\x1e.infinite_llm.v1.PlaceResponse\x12L\n\x07Release\x12\x1f.infinite_llm.v1.ReleaseRequest\x1a .infinite_llm.v1.ReleaseResponse\x12^\n\x0fGetClusterState\x12$.infinite_llm.v1.ClusterStateRequest\x1a%.infinite_llm.v1.ClusterStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dinfinite_llm/v1/manager.proto\x12\x0finfinite_llm.v1\"p\n\x0fRegisterRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x03\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x0c\n\x04kind\x18\x05 \x01(\t\"\'\n\x10RegisterResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x03\"f\n\x10HeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x03 \x01(\x03\x12\x15\n\rnum_sequences\x18\x04 \x01(\x05\"\x13\n\x11HeartbeatResponse\"y\n\x0cPlaceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\x12\x16\n\x0enear_server_id\x18\x03 \x01(\t\x12\x19\n\x11\x66irst_block_index\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\"C\n\nBlockGrant\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\"<\n\rPlaceResponse\x12+\n\x06grants\x18\x01 \x03(\x0b\x32\x1b.infinite_llm.v1.BlockGrant\" \n\x0eReleaseRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"$\n\x0fReleaseResponse\x12\x11\n\tnum_freed\x18\x01 \x01(\x03\"\x15\n\x13\x43lusterStateRequest\"\x9f\x01\n\x0bServerState\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x03\x12\x15\n\rnum_sequences\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\"G\n\x0bLedgerEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12(\n\x06shares\x18\x02 \x03(\x0b\x32\x18.infinite_llm.v1.KVShare\"0\n\x07KVShare\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\"s\n\x14\x43lusterStateResponse\x12-\n\x07servers\x18\x01 \x03(\x0b\x32\x1c.infinite_llm.v1.ServerState\x12,\n\x06ledger\x18\x02 \x03(\x0b\x32\x1c.infinite_llm.v1.LedgerEntry2\xaa\x03\n\rGlobalManager\x12O\n\x08Register\x12 .infinite_llm.v1.RegisterRequest\x1a!.infinite_llm.v1.RegisterResponse\x12R\n\tHeartbeat\x12!.infinite_llm.v1.HeartbeatRequest\x1a\".infinite_llm.v1.HeartbeatResponse\x12\x46\n\x05Place\x12\x1d.infinite_llm.v1.PlaceRequest\x1a\x1e.infinite_llm.v1.PlaceResponse\x12L\n\x07Release\x12\x1f.infinite_llm.v1.ReleaseRequest\x1a .infinite_llm.v1.ReleaseResponse\x12^\n\x0fGetClusterState\x12$.infinite_llm.v1.ClusterStateRequest\x1a%.infinite_llm.v1.ClusterStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATRESPONSE']._serialized_start=309
   _globals['_HEARTBEATRESPONSE']._serialized_end=328
   _globals['_PLACEREQUEST']._serialized_start=330
-  _globals['_PLACEREQUEST']._serialized_end=404
-  _globals['_BLOCKGRANT']._serialized_start=406
-  _globals['_BLOCKGRANT']._serialized_end=473
-  _globals['_PLACERESPONSE']._serialized_start=475
-  _globals['_PLACERESPONSE']._serialized_end=535
-  _globals['_RELEASEREQUEST']._serialized_start=537
-  _globals['_RELEASEREQUEST']._serialized_end=569
-  _globals['_RELEASERESPONSE']._serialized_start=571
-  _globals['_RELEASERESPONSE']._serialized_end=607
-  _globals['_CLUSTERSTATEREQUEST']._serialized_start=609
-  _globals['_CLUSTERSTATEREQUEST']._serialized_end=630
-  _globals['_SERVERSTATE']._serialized_start=633
-  _globals['_SERVERSTATE']._serialized_end=792
-  _globals['_LEDGERENTRY']._serialized_start=794
-  _globals['_LEDGERENTRY']._serialized_end=865
-  _globals['_KVSHARE']._serialized_start=867
-  _globals['_KVSHARE']._serialized_end=915
-  _globals['_CLUSTERSTATERESPONSE']._serialized_start=917
-  _globals['_CLUSTERSTATERESPONSE']._serialized_end=1032
-  _globals['_GLOBALMANAGER']._serialized_start=1035
-  _globals['_GLOBALMANAGER']._serialized_end=1461
+  _globals['_PLACEREQUEST']._serialized_end=451
+  _globals['_BLOCKGRANT']._serialized_start=453
+  _globals['_BLOCKGRANT']._serialized_end=520
+  _globals['_PLACERESPONSE']._serialized_start=522
+  _globals['_PLACERESPONSE']._serialized_end=582
+  _globals['_RELEASEREQUEST']._serialized_start=584
+  _globals['_RELEASEREQUEST']._serialized_end=616
+  _globals['_RELEASERESPONSE']._serialized_start=618
+  _globals['_RELEASERESPONSE']._serialized_end=654
+  _globals['_CLUSTERSTATEREQUEST']._serialized_start=656
+  _globals['_CLUSTERSTATEREQUEST']._serialized_end=677
+  _globals['_SERVERSTATE']._serialized_start=680
+  _globals['_SERVERSTATE']._serialized_end=839
+  _globals['_LEDGERENTRY']._serialized_start=841
+  _globals['_LEDGERENTRY']._serialized_end=912
+  _globals['_KVSHARE']._serialized_start=914
+  _globals['_KVSHARE']._serialized_end=962
+  _globals['_CLUSTERSTATERESPONSE']._serialized_start=964
+  _globals['_CLUSTERSTATERESPONSE']._serialized_end=1079
+  _globals['_GLOBALMANAGER']._serialized_start=1082
+  _globals['_GLOBALMANAGER']._serialized_end=1508
 # @@protoc_insertion_point(module_scope)

@@ -43,14 +43,18 @@ class HeartbeatResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("seq_id", "num_blocks", "near_server_id")
+    __slots__ = ("seq_id", "num_blocks", "near_server_id", "first_block_index", "block_size")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEAR_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_blocks: int
     near_server_id: str
-    def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., near_server_id: _Optional[str] = ...) -> None: ...
+    first_block_index: int
+    block_size: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., near_server_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class BlockGrant(_message.Message):
     __slots__ = ("server_id", "address", "block_ids")

@@ -2,8 +2,8 @@
 
 The servicer's only neighbour below: it keeps the ledger of open reservations (which sequence, which
 blocks) so imports can land in them, validates remote input (``validation.py``) before anything changes,
-runs a batched AttendStep through ``RManager.plan_step`` / ``attend``, and reads/writes whole rBlocks for
-migration. Pure torch, no gRPC; **not thread-safe**: the servicer calls it from one thread.
+opens a step (``RManager.plan_step``, once) and runs its layers (``RManager.attend``), and reads/writes
+whole rBlocks for migration. Pure torch, no gRPC; **not thread-safe**: the servicer calls it from one thread.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import InvalidRequest, NotFound
-from infinite_llm.core.rmanager import HolderSeqStep, KVLayout, RManager
-from infinite_llm.services.attention.types import HolderStats, SeqAttendParams, SeqPartialResult
-from infinite_llm.services.attention.validation import check_payload, check_step
+from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
+from infinite_llm.services.attention.types import HolderStats, ServerStep
+from infinite_llm.services.attention.validation import check_layer, check_payload, check_step_open
 
 RESERVATION_TTL_S = 60.0  # an uncommitted reservation older than this was orphaned (seconds)
 
@@ -44,8 +44,12 @@ class AttentionHolder:
 
     @classmethod
     def with_capacity(cls, kv_memory_bytes: int, layout: KVLayout, device: str = "cpu") -> AttentionHolder:
-        """A holder with as many rBlocks as fit in ``kv_memory_bytes`` (bytes)."""
-        return cls(RManager(kv_memory_bytes // layout.bytes_per_block, layout, device=device))
+        """A holder with as many rBlocks as fit in ``kv_memory_bytes`` (bytes) on ``device``, computing with
+        the kernels dispatcher (Triton on CUDA, the torch reference on CPU)."""
+        from infinite_llm.kernels import partial_attention
+
+        num_blocks = kv_memory_bytes // layout.bytes_per_block
+        return cls(RManager(num_blocks, layout, device=device, attention_impl=partial_attention))
 
     # ---- placement (two-phase) -----------------------------------------------------------------------
     def reserve(self, seq_id: str, num_blocks: int) -> Reservation:
@@ -73,10 +77,10 @@ class AttentionHolder:
             self.cancel(rid)
         return len(stale)
 
-    def commit(self, reservation_id: int) -> tuple[str, list[int]]:
-        """Phase two: returns ``(seq_id, block_ids)`` now owned by the sequence."""
+    def commit(self, reservation_id: int, block_indices: list[int]) -> tuple[str, list[int]]:
+        """Phase two: returns ``(seq_id, block_ids)`` now owned by the sequence at logical ``block_indices``."""
         seq_id, _ = self._reservation(reservation_id)
-        ids = self.rm.commit(reservation_id)
+        ids = self.rm.commit(reservation_id, block_indices)
         del self._reservations[reservation_id]
         self._reserved_at.pop(reservation_id, None)
         return seq_id, ids
@@ -101,49 +105,34 @@ class AttentionHolder:
             raise NotFound(f"no reservation {reservation_id}") from None
 
     # ---- attention -----------------------------------------------------------------------------------
-    def attend_step(self, layer: int, items: list[SeqAttendParams]) -> list[SeqPartialResult]:
-        """Store each sequence's new K/V in its slots, then its queries' partial attention over its rBlocks.
+    def open_step(self, seqs: list[SeqStep], num_heads: int) -> ServerStep:
+        """Plan a step once from ``(seq_id, num_computed_tokens, num_new)`` per sequence; changes nothing."""
+        check_step_open(seqs, num_heads, self.layout)
+        return ServerStep(self.rm.plan_step(seqs), num_heads)
 
-        ``items[i].key/value`` hold only the rows stored here; results come in ``items`` order, each
-        ``partial_out [num_query_tokens, num_heads, head_dim]`` and ``lse [num_query_tokens, num_heads]`` fp32.
+    def attend_layer(
+        self, step: ServerStep, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's new K/V held here, then partial attention of its queries over its rBlocks here.
+
+        Args:
+            query: ``[num_tokens, num_heads, head_dim]`` (every new token of the step's sequences, in order).
+            key, value: ``[num_new_here, num_kv_heads, head_dim]`` (only the rows stored here, in step order).
+
+        Returns:
+            ``(partial_out [num_tokens, num_heads, head_dim], lse [num_tokens, num_heads] fp32)``.
         """
-        if not items:
-            return []
-        check_step(items, self.layout)
-        steps = [
-            HolderSeqStep(
-                it.seq_id,
-                it.query_positions,
-                it.context_len,
-                it.block_ids,
-                it.block_indices,
-                it.slot_mapping,
-                new_token_rows=[],
-            )
-            for it in items
-        ]
-        plan = self.rm.plan_step(steps)  # validates ownership and positions; changes nothing
-        device = self.rm.k_cache.device
-        # The new K/V arrive compact (only the rows stored here, in slot order): what RManager.attend takes.
-        query = _cat([it.query for it in items], device)  # (num_tokens, H, D)
-        key = _cat([it.key for it in items if it.key is not None], device, self._empty_kv())
-        value = _cat([it.value for it in items if it.value is not None], device, self._empty_kv())
-        out, lse = self.rm.attend(layer, plan, query, key, value)
-        counts = [it.query.shape[0] for it in items]
-        return [
-            SeqPartialResult(it.seq_id, o, s)
-            for it, o, s in zip(items, out.split(counts), lse.split(counts), strict=True)
-        ]
-
-    def _empty_kv(self) -> torch.Tensor:
-        return torch.empty(0, self.layout.num_kv_heads, self.layout.head_dim, dtype=self.layout.dtype)
+        check_layer(step, query, key, value, self.layout)
+        device = self.rm.device
+        return self.rm.attend(layer, step.plan, query.to(device), key.to(device), value.to(device))
 
     # ---- migration -----------------------------------------------------------------------------------
-    def export_blocks(self, seq_id: str, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    def export_blocks(self, seq_id: str, block_ids: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
         """Snapshot of ``block_ids`` (empty: all, in allocation order) of ``seq_id``.
 
-        Returns ``(block_ids, payload)``, payload ``[2 (K, V), num_layers, num_blocks, block_size,
-        num_kv_heads, head_dim]`` on CPU in the layout dtype, contiguous.
+        Returns ``(block_ids, block_indices, payload)``: the ids, their logical indices, and the payload
+        ``[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` on CPU in the layout dtype,
+        contiguous.
         """
         owned = self.rm.owned_blocks(seq_id)
         if not owned:
@@ -154,7 +143,7 @@ class AttentionHolder:
             raise InvalidRequest(f"sequence {seq_id!r} cannot export {ids}: not its own or repeated ({stray})")
         index = torch.tensor(ids, dtype=torch.int64, device=self.rm.k_cache.device)
         payload = torch.stack([self.rm.k_cache.index_select(1, index), self.rm.v_cache.index_select(1, index)])
-        return ids, payload.cpu()
+        return ids, self.rm.block_indices(seq_id, ids), payload.cpu()
 
     def begin_import(self, seq_id: str, shape: list[int], dtype: torch.dtype, reservation_id: int) -> Reservation:
         """Check a transfer's header and return the reservation its data will land in.
@@ -172,12 +161,13 @@ class AttentionHolder:
             )
         return Reservation(reservation_id, ids)
 
-    def finish_import(self, reservation: Reservation, payload: torch.Tensor) -> list[int]:
-        """Write ``payload`` (shape as :meth:`export_blocks`) into the reserved rBlocks, then commit them."""
+    def finish_import(self, reservation: Reservation, block_indices: list[int], payload: torch.Tensor) -> list[int]:
+        """Write ``payload`` (shape as :meth:`export_blocks`) into the reserved rBlocks, then commit them at
+        logical ``block_indices``."""
         index = torch.tensor(reservation.block_ids, dtype=torch.int64, device=self.rm.k_cache.device)
         self.rm.k_cache.index_copy_(1, index, payload[0].to(self.rm.k_cache.device))
         self.rm.v_cache.index_copy_(1, index, payload[1].to(self.rm.v_cache.device))
-        return self.commit(reservation.reservation_id)[1]
+        return self.commit(reservation.reservation_id, block_indices)[1]
 
     # ---- stats ---------------------------------------------------------------------------------------
     def stats(self) -> HolderStats:
@@ -190,12 +180,3 @@ class AttentionHolder:
             num_sequences=sum(1 for s in self.rm.sequences() if self.rm.owned_blocks(s)),
             bytes_per_block=self.layout.bytes_per_block,
         )
-
-
-def _cat(parts: list[torch.Tensor], device: torch.device, empty: torch.Tensor | None = None) -> torch.Tensor:
-    """Concatenate along dim 0 on ``device``; a single part is used as is (no copy)."""
-    if not parts:
-        assert empty is not None
-        return empty.to(device)
-    t = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return t.to(device)

@@ -51,7 +51,10 @@ class Registrar:
                     await asyncio.sleep(max(ttl / 3, 0.5))
                 log.warning("lease of %s expired; registering again", self.server_id)
             except grpc.RpcError as e:
-                log.warning("manager unreachable (%s); retrying", e.code().name)
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # e.g. another block size: fix the config
+                    log.error("the manager refuses %s: %s; retrying", self.server_id, e.details())
+                else:
+                    log.warning("manager unreachable (%s); retrying", e.code().name)
                 await asyncio.sleep(RETRY_S)
 
     async def _register(self) -> float:

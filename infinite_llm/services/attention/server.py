@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
-from infinite_llm.core.config import ModelConfig
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE, ModelConfig
 from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.observability.metrics import AttentionMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
@@ -47,7 +47,7 @@ class AttentionServerConfig:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     host: str = "127.0.0.1"
     port: int = 0
     device: str = "cpu"
@@ -55,6 +55,7 @@ class AttentionServerConfig:
     manager_address: str = ""  # host:port of the global manager; empty: do not register
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
     advertise_host: str = ""  # host others reach this server at (default: host)
+    transport: str = "grpc"  # "torch" also accepts torch.distributed tensor channels (OpenTensorChannel)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):

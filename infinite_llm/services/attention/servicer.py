@@ -15,12 +15,13 @@ from typing import TypeVar
 
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as pb_grpc
 from infinite_llm.pb.v1 import tensor_pb2
 from infinite_llm.rpc import codec
 from infinite_llm.services.attention.holder import AttentionHolder
-from infinite_llm.services.attention.types import SeqAttendParams
+from infinite_llm.services.attention.types import ServerStep
 
 T = TypeVar("T")
 MAX_CHUNK_BYTES = 16 << 20  # an export chunk larger than this defeats the point of streaming
@@ -47,7 +48,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         return pb.ReserveBlocksResponse(reservation_id=r.reservation_id, block_ids=r.block_ids)
 
     async def CommitBlocks(self, request: pb.CommitBlocksRequest, context) -> pb.CommitBlocksResponse:
-        seq_id, ids = await self._run(self.holder.commit, request.reservation_id)
+        seq_id, ids = await self._run(self.holder.commit, request.reservation_id, list(request.block_indices))
         return pb.CommitBlocksResponse(seq_id=seq_id, block_ids=ids)
 
     async def CancelReservation(self, request: pb.CancelReservationRequest, context) -> pb.CancelReservationResponse:
@@ -80,20 +81,31 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         )
 
     # ---- attention -----------------------------------------------------------------------------------
-    async def AttendStep(self, request: pb.AttendStepRequest, context) -> pb.AttendStepResponse:
-        return await self._run(self._attend_step, request)
+    async def AttendStream(self, request_iterator, context) -> AsyncIterator[pb.LayerPartial]:
+        """A step: plan once from its StepOpen, then one LayerPartial per LayerInput until the client
+        half-closes. The plan lives as long as the stream; an error ends the stream with its status."""
+        stream = aiter(request_iterator)
+        first = await anext(stream, None)
+        if first is None or first.WhichOneof("part") != "open":
+            raise InvalidRequest("an AttendStream must start with a StepOpen")
+        seqs = [SeqStep(s.seq_id, s.num_computed_tokens, s.num_new) for s in first.open.seqs]
+        step = await self._run(self.holder.open_step, seqs, first.open.num_heads)
+        async for msg in stream:
+            if msg.WhichOneof("part") != "layer":
+                raise InvalidRequest("an AttendStream carries exactly one StepOpen, first")
+            yield await self._run(self._attend_layer, step, msg.layer)
 
-    def _attend_step(self, request: pb.AttendStepRequest) -> pb.AttendStepResponse:
-        items = [_decode_seq(s) for s in request.seqs]
-        reply = pb.AttendStepResponse()
+    def _attend_layer(self, step: ServerStep, msg: pb.LayerInput) -> pb.LayerPartial:
+        query = codec.decode_tensor(msg.query, field="query")
+        key = codec.decode_tensor(msg.key, field="key")
+        value = codec.decode_tensor(msg.value, field="value")
         start = time.perf_counter()
-        results = self.holder.attend_step(request.layer, items)
+        out, lse = self.holder.attend_layer(step, msg.layer, query, key, value)
         if self.on_attend_step is not None:
             self.on_attend_step(time.perf_counter() - start)
-        for result in results:
-            part = reply.partials.add(seq_id=result.seq_id)
-            codec.encode_tensor(result.partial_out, part.partial_out)
-            codec.encode_tensor(result.lse, part.lse)
+        reply = pb.LayerPartial(layer=msg.layer)
+        codec.encode_tensor(out, reply.partial_out)
+        codec.encode_tensor(lse, reply.lse)
         return reply
 
     # ---- migration -----------------------------------------------------------------------------------
@@ -101,10 +113,10 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         chunk_bytes = request.chunk_bytes or codec.CHUNK_BYTES
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidRequest(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-        ids, payload = await self._run(self.holder.export_blocks, request.seq_id, list(request.block_ids))
+        ids, indices, payload = await self._run(self.holder.export_blocks, request.seq_id, list(request.block_ids))
         data = await self._run(codec.tensor_to_bytes, payload)
         meta = codec.tensor_meta(payload.dtype, payload.shape)
-        header = pb.BlockTransferHeader(seq_id=request.seq_id, block_ids=ids, payload=meta)
+        header = pb.BlockTransferHeader(seq_id=request.seq_id, block_ids=ids, block_indices=indices, payload=meta)
         yield pb.BlockTransferChunk(header=header)
         for chunk in codec.split_chunks(data, chunk_bytes):
             yield pb.BlockTransferChunk(data=chunk)
@@ -117,6 +129,9 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         header = first.header
         dtype = codec.dtype_from_name(header.payload.dtype, field="payload")
         shape = list(header.payload.shape)
+        indices = list(header.block_indices)
+        if len(indices) != (shape[2] if len(shape) == 6 else -1):
+            raise InvalidRequest(f"the header gives {len(indices)} block_indices for payload shape {shape}")
         reservation = await self._run(self.holder.begin_import, header.seq_id, shape, dtype, header.reservation_id)
         try:
             # Allocated only now that the shape matched the layout and its rBlocks are reserved.
@@ -126,7 +141,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
                     raise InvalidRequest("an ImportBlocks stream carries exactly one header, first")
                 assembler.add(chunk.data)
             payload = codec.tensor_from_buffer(header.payload.dtype, shape, assembler.finish(), field="payload")
-            ids = await self._run(self.holder.finish_import, reservation, payload)
+            ids = await self._run(self.holder.finish_import, reservation, indices, payload)
         except BaseException:  # incl. a cancelled stream: the blocks never become readable
             await asyncio.shield(self._run(self._cancel_quietly, reservation))
             raise
@@ -137,19 +152,3 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
             self.holder.cancel(reservation.reservation_id)
         except NotFound:
             pass  # already gone with its sequence (FreeSequence)
-
-
-def _decode_seq(s: pb.SeqAttend) -> SeqAttendParams:
-    """One ``SeqAttend`` as plain params; tensors are read-only views of the message bytes."""
-    field = f"sequence {s.seq_id!r}"
-    return SeqAttendParams(
-        seq_id=s.seq_id,
-        query=codec.decode_tensor(s.query, field=f"{field} query"),
-        query_positions=list(s.query_positions),
-        context_len=s.context_len,
-        block_ids=list(s.block_ids),
-        block_indices=list(s.block_indices),
-        slot_mapping=list(s.slot_mapping),
-        key=codec.decode_tensor(s.key, field=f"{field} key") if s.HasField("key") else None,
-        value=codec.decode_tensor(s.value, field=f"{field} value") if s.HasField("value") else None,
-    )

@@ -1,7 +1,7 @@
-"""Checks of an AttendStep's tensors and indices against the server's KV layout, before any state changes.
+"""Checks of a step's opening and of each layer's tensors against the server's KV layout, before any change.
 
-``RManager.plan_step`` already checks ownership and positions; this adds what a remote caller can get
-wrong on top: dtypes and shapes against the layout, non-finite values, and inconsistent index lists.
+``RManager.plan_step`` already checks ownership; this adds what a remote caller can get wrong on top:
+counts, head counts, dtypes and shapes against the layout and the plan, and non-finite values.
 Every failure raises :class:`~infinite_llm.core.errors.InvalidRequest` naming the sequence and field.
 """
 
@@ -10,71 +10,42 @@ from __future__ import annotations
 import torch
 
 from infinite_llm.core.errors import InvalidRequest
-from infinite_llm.core.rmanager import KVLayout
-from infinite_llm.services.attention.types import SeqAttendParams
+from infinite_llm.core.rmanager import KVLayout, SeqStep
+from infinite_llm.services.attention.types import ServerStep
 
 
-def check_step(items: list[SeqAttendParams], layout: KVLayout) -> None:
-    """Validate a whole step; the query head count must be one value for every sequence."""
+def check_step_open(seqs: list[SeqStep], num_heads: int, layout: KVLayout) -> None:
+    """Validate a step's opening: distinct non-empty ids, sane counts, a query head count that fits."""
+    if not seqs:
+        raise InvalidRequest("a step must name at least one sequence")
+    if num_heads < 1 or num_heads % layout.num_kv_heads:
+        raise InvalidRequest(f"num_heads {num_heads} is not a positive multiple of {layout.num_kv_heads}")
     seen: set[str] = set()
-    num_heads = {it.query.shape[1] for it in items if it.query.dim() == 3}
-    if len(num_heads) > 1:
-        raise InvalidRequest(f"queries of one step disagree on num_heads: {sorted(num_heads)}")
-    for it in items:
-        if it.seq_id in seen:
-            raise InvalidRequest(f"sequence {it.seq_id!r} appears twice in one step")
-        seen.add(it.seq_id)
-        check_item(it, layout)
+    for s in seqs:
+        if not s.seq_id or s.seq_id in seen:
+            raise InvalidRequest(f"sequence id {s.seq_id!r} is empty or appears twice in one step")
+        seen.add(s.seq_id)
+        if s.num_computed_tokens < 0 or s.num_new < 1:
+            raise InvalidRequest(
+                f"sequence {s.seq_id!r}: num_computed_tokens {s.num_computed_tokens} must be >= 0 and "
+                f"num_new {s.num_new} >= 1"
+            )
 
 
-def check_item(it: SeqAttendParams, layout: KVLayout) -> None:
-    """Validate one sequence's share of a step (shapes, dtypes, finiteness, index lists)."""
-    name = f"sequence {it.seq_id!r}"
-    _check_query(it, layout, name)
-    _check_new_kv(it, layout, name)
-    if len(it.block_ids) != len(it.block_indices):
-        raise InvalidRequest(f"{name}: {len(it.block_ids)} block_ids but {len(it.block_indices)} block_indices")
-    _check_unique(it.block_ids, f"{name}: block_ids")
-    _check_unique(it.block_indices, f"{name}: block_indices")
-    _check_unique(it.slot_mapping, f"{name}: slot_mapping")
-    if any(i < 0 for i in it.block_indices):
-        raise InvalidRequest(f"{name}: negative block index in {list(it.block_indices)}")
-    listed = set(it.block_ids)
-    if any(slot // layout.block_size not in listed for slot in it.slot_mapping):
-        raise InvalidRequest(f"{name}: a slot of slot_mapping lies outside the listed block_ids")
-
-
-def _check_query(it: SeqAttendParams, layout: KVLayout, name: str) -> None:
-    q = it.query
-    if q.dtype != layout.dtype:
-        raise InvalidRequest(f"{name}: query dtype {q.dtype} differs from the KV dtype {layout.dtype}")
-    if q.dim() != 3 or q.shape[2] != layout.head_dim or q.shape[1] % layout.num_kv_heads:
-        raise InvalidRequest(
-            f"{name}: query shape {list(q.shape)} is not [num_tokens, num_heads, {layout.head_dim}] "
-            f"with num_heads a multiple of {layout.num_kv_heads}"
-        )
-    if q.shape[0] == 0 or q.shape[0] != len(it.query_positions):
-        raise InvalidRequest(f"{name}: {q.shape[0]} query rows for {len(it.query_positions)} query_positions")
-    if not bool(torch.isfinite(q).all()):
-        raise InvalidRequest(f"{name}: query holds NaN or infinite values")
-
-
-def _check_new_kv(it: SeqAttendParams, layout: KVLayout, name: str) -> None:
-    want = [len(it.slot_mapping), layout.num_kv_heads, layout.head_dim]
-    for field, t in (("key", it.key), ("value", it.value)):
-        if t is None:
-            if want[0]:
-                raise InvalidRequest(f"{name}: {field} missing for {want[0]} slots")
-            continue
-        if t.dtype != layout.dtype or list(t.shape) != want:
-            raise InvalidRequest(f"{name}: {field} is {t.dtype} {list(t.shape)}, expected {layout.dtype} {want}")
+def check_layer(
+    step: ServerStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: KVLayout
+) -> None:
+    """Dtypes, shapes against the step's plan, and finiteness of one layer's tensors."""
+    want = {
+        "query": [step.plan.num_tokens, step.num_heads, layout.head_dim],
+        "key": [step.plan.num_new_here, layout.num_kv_heads, layout.head_dim],
+        "value": [step.plan.num_new_here, layout.num_kv_heads, layout.head_dim],
+    }
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype != layout.dtype or list(t.shape) != want[name]:
+            raise InvalidRequest(f"{name} is {t.dtype} {list(t.shape)}, the step needs {layout.dtype} {want[name]}")
         if not bool(torch.isfinite(t).all()):
-            raise InvalidRequest(f"{name}: {field} holds NaN or infinite values")
-
-
-def _check_unique(values: list[int], field: str) -> None:
-    if len(set(values)) != len(values):
-        raise InvalidRequest(f"{field} repeats an entry: {list(values)}")
+            raise InvalidRequest(f"{name} holds NaN or infinite values")
 
 
 def check_payload(shape: list[int], dtype: torch.dtype, layout: KVLayout) -> int:

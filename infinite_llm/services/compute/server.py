@@ -1,6 +1,6 @@
 """``infinite-llm serve compute``: a compute instance process.
 
-Loads the model's dense layers, runs the engine on its own thread with :class:`RemoteKV` as the KV backend
+Loads the model's dense layers, runs the engine on its own thread with a remote :class:`DistAttention` as the KV backend
 (attention on the attention servers, placement by the global manager), and serves ``ComputeInstance``.
 """
 
@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
+from infinite_llm.core.dist_attention import DistAttention
 from infinite_llm.engine import EngineConfig, LLMEngine
 from infinite_llm.observability.metrics import EngineMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import compute_instance_pb2, compute_instance_pb2_grpc
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.compute.engine_loop import EngineLoop
-from infinite_llm.services.compute.remote_kv import RemoteKV
+from infinite_llm.services.compute.remote_kv import TRANSPORTS, remote_dist_attention
 from infinite_llm.services.compute.servicer import ComputeInstanceServicer
 
 log = logging.getLogger(__name__)
@@ -37,30 +39,41 @@ class ComputeConfig:
     instance_id: str = "compute-0"
     model: str | None = None
     dtype: torch.dtype = torch.float32
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     rpc_timeout_s: float = 30.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
-    device: str = "cpu"  # where the dense layers run: cpu or cuda
+    device: str = "cpu"  # where the dense layers run: cpu, cuda or cuda:N
     max_waiting: int = 1024  # queued requests before new ones get RESOURCE_EXHAUSTED (backpressure)
+    transport: str = "grpc"  # how attention tensors travel: grpc, or torch (torch.distributed, gRPC control)
 
     def __post_init__(self) -> None:
         if not self.manager_address:
             raise ValueError("compute instance needs --manager HOST:PORT")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
 
 def build_engine(
     config: ComputeConfig, on_rpc: Callable[[str, float], None] | None = None
-) -> tuple[LLMEngine, RemoteKV, str]:
+) -> tuple[LLMEngine, DistAttention, str]:
     """Load the model and wire its attention to the cluster; returns (engine, kv backend, model name)."""
     from infinite_llm.models.registry import load_model_files, resolve_model
 
     resolved = resolve_model(config.model)
     model_config, state_dict, tokenizer = load_model_files(resolved, config.dtype)
-    kv = RemoteKV(config.manager_address, config.block_size, timeout_s=config.rpc_timeout_s, on_rpc=on_rpc)
+    kv = remote_dist_attention(
+        config.manager_address,
+        config.block_size,
+        device=config.device,
+        timeout_s=config.rpc_timeout_s,
+        transport=config.transport,
+        on_rpc=on_rpc,
+    )
+    kv.placement.check_cluster()
     engine_config = EngineConfig(
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,

@@ -21,7 +21,7 @@ from infinite_llm.services.generate_codec import prompt_from_request, response_f
 
 class ComputeInstanceServicer(cgrpc.ComputeInstanceServicer):
     def __init__(self, loop: EngineLoop, instance_id: str, model_name: str, kv=None) -> None:  # noqa: ANN001
-        """``kv``: the engine's ``RemoteKV`` (placement of finished requests, RPC timings); optional in tests."""
+        """``kv``: the engine's ``DistAttention`` (placement of finished requests, RPC timings); optional in tests."""
         self.loop = loop
         self.kv = kv
         self.instance_id = instance_id
@@ -65,7 +65,7 @@ class ComputeInstanceServicer(cgrpc.ComputeInstanceServicer):
             num_preemptions=self.loop.engine.num_preemptions,
             generated_tokens=self.loop.generated_tokens,
             model=self.model_name,
-            layer_rpc_seconds=getattr(self.kv, "layer_rpc_seconds", 0.0),
-            layer_rpc_count=getattr(self.kv, "layer_rpc_count", 0),
+            layer_rpc_seconds=getattr(self.kv, "fan_out_seconds", 0.0),
+            layer_rpc_count=getattr(self.kv, "fan_out_count", 0),
             server_rpc_seconds=dict(getattr(self.kv, "rpc_seconds", {})),
         )

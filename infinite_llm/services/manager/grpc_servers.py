@@ -42,8 +42,9 @@ class GrpcBlockServers:
         reply = await self._call(server_id, "ReserveBlocks", apb.ReserveBlocksRequest(seq_id=seq_id, num_blocks=n))
         return Reservation(reply.reservation_id, tuple(reply.block_ids))
 
-    async def commit(self, server_id: str, reservation_id: int) -> list[int]:
-        reply = await self._call(server_id, "CommitBlocks", apb.CommitBlocksRequest(reservation_id=reservation_id))
+    async def commit(self, server_id: str, reservation_id: int, block_indices: list[int]) -> list[int]:
+        request = apb.CommitBlocksRequest(reservation_id=reservation_id, block_indices=block_indices)
+        reply = await self._call(server_id, "CommitBlocks", request)
         return list(reply.block_ids)
 
     async def cancel(self, server_id: str, reservation_id: int) -> None:

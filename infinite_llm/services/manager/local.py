@@ -27,9 +27,9 @@ class LocalServers:
         """Hold ``n`` rBlocks for ``seq_id``. Raises CapacityExhausted (nothing changes) if too few are free."""
         return self._get(server_id).reserve(seq_id, n)
 
-    async def commit(self, server_id: str, reservation_id: int) -> list[int]:
-        """The reserved rBlocks now belong to their sequence; returns their block ids."""
-        return self._get(server_id).commit(reservation_id)
+    async def commit(self, server_id: str, reservation_id: int, block_indices: list[int]) -> list[int]:
+        """The reserved rBlocks now belong to their sequence at logical ``block_indices``; returns their ids."""
+        return self._get(server_id).commit(reservation_id, block_indices)
 
     async def cancel(self, server_id: str, reservation_id: int) -> None:
         self._get(server_id).cancel(reservation_id)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from infinite_llm.core.errors import InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
+from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
@@ -39,12 +40,15 @@ class ManagerConfig:
     """Global manager settings. TTLs in seconds (etcd's minimum lease TTL is ~2 s)."""
 
     manager_id: str
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per rBlock of the cluster: members and callers must agree
     member_ttl_s: int = 10
     leader_ttl_s: int = 10
     max_txn_attempts: int = 16
 
     def __post_init__(self) -> None:
         check_id("manager_id", self.manager_id)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("member_ttl_s", "leader_ttl_s"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name} must be >= 2 s (etcd's minimum lease), got {getattr(self, name)}")
@@ -118,8 +122,10 @@ class GlobalManager:
 
         Raises:
             InvalidRequest: a bad id, capacity (rBlocks) or block size (tokens).
+            FailedPrecondition: the server's block size differs from the cluster's.
             NotLeader: this manager does not lead.
         """
+        self.check_block_size(block_size, f"attention server {server_id!r}")
         info = MemberInfo(server_id, address, capacity_blocks, block_size, kind)
         return await self.membership.register(info, ttl_s or self.config.member_ttl_s)
 
@@ -141,12 +147,22 @@ class GlobalManager:
         """Live members by server id (the watch keeps this current)."""
         return self.membership.members()
 
+    def check_block_size(self, block_size: int, who: str) -> None:
+        """Raises ``FailedPrecondition`` unless ``block_size`` (tokens) is the cluster's."""
+        if block_size != self.config.block_size:
+            raise FailedPrecondition(
+                f"{who} uses rBlocks of {block_size} tokens; this cluster's block_size is {self.config.block_size}"
+            )
+
     # ---- placement -------------------------------------------------------------------------------
-    async def place(self, seq_id: str, n_blocks: int, near: str | None = None) -> list[Grant]:
+    async def place(self, seq_id: str, n_blocks: int, near: str | None = None, first_index: int = 0) -> list[Grant]:
         """Place ``n_blocks`` more rBlocks of ``seq_id``: near server first, then most free.
 
         Reserves on the servers, records the ledger in one fenced compare-and-swap (re-read and retried on
         conflict), then commits the reservations.
+
+        ``first_index`` is the logical index of the first new rBlock in the sequence's block table: the
+        servers record each rBlock's index at commit, in grant order, and plan steps from them.
 
         Returns:
             One :class:`Grant` per server used, in placement order (near server first).
@@ -161,6 +177,8 @@ class GlobalManager:
         check_id("seq_id", seq_id)
         if n_blocks <= 0:
             raise InvalidRequest(f"n_blocks must be > 0, got {n_blocks}", param="n_blocks")
+        if first_index < 0:
+            raise InvalidRequest(f"first_index must be >= 0, got {first_index}", param="first_block_index")
         self.leadership.fence()  # fail before reserving anything
         record = await self.ledger.read(seq_id)
         held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near)
@@ -171,7 +189,7 @@ class GlobalManager:
             raise
         for h in held:
             self._placed[h.server_id] = self._placed.get(h.server_id, 0) + h.n_blocks
-        return await self._commit(held)
+        return await self._commit(held, first_index)
 
     async def _record(self, record: LedgerRecord, added: LedgerEntries) -> None:
         for _ in range(self.config.max_txn_attempts):
@@ -182,11 +200,13 @@ class GlobalManager:
             record = conflict
         raise self.ledger.too_contended(record.seq_id)
 
-    async def _commit(self, held: list[Held]) -> list[Grant]:
+    async def _commit(self, held: list[Held], first_index: int) -> list[Grant]:
         grants = []
         for h in held:
-            block_ids = await self._servers.commit(h.server_id, h.reservation.reservation_id)
+            indices = list(range(first_index, first_index + h.n_blocks))
+            block_ids = await self._servers.commit(h.server_id, h.reservation.reservation_id, indices)
             grants.append(Grant(h.server_id, h.n_blocks, tuple(block_ids)))
+            first_index += h.n_blocks
         return grants
 
     async def release(self, seq_id: str) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.observability.metrics import ManagerMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
@@ -30,6 +31,7 @@ class ManagerServerConfig:
     host: str = "127.0.0.1"
     port: int = 50050
     manager_id: str = "manager-0"
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per rBlock of the cluster (members and callers must agree)
     prefix: str = "/infinite-llm/"
     member_ttl_s: int = 10
     leader_ttl_s: int = 10
@@ -54,7 +56,14 @@ async def serve(config: ManagerServerConfig) -> None:
     servers = GrpcBlockServers(lambda sid: holder[0].address_of(sid))
     guard = DrainGuard(servers) if scale is not None else None
     manager = GlobalManager(
-        store, guard or servers, ManagerConfig(config.manager_id, config.member_ttl_s, config.leader_ttl_s)
+        store,
+        guard or servers,
+        ManagerConfig(
+            config.manager_id,
+            block_size=config.block_size,
+            member_ttl_s=config.member_ttl_s,
+            leader_ttl_s=config.leader_ttl_s,
+        ),
     )
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
     registry = CollectorRegistry()

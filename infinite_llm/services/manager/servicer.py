@@ -36,8 +36,12 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         return mpb.HeartbeatResponse()
 
     async def Place(self, request: mpb.PlaceRequest, context: grpc.aio.ServicerContext) -> mpb.PlaceResponse:  # noqa: N802
+        if request.block_size:
+            self.manager.check_block_size(request.block_size, f"the caller placing {request.seq_id!r}")
         try:
-            grants = await self.manager.place(request.seq_id, request.num_blocks, request.near_server_id or None)
+            grants = await self.manager.place(
+                request.seq_id, request.num_blocks, request.near_server_id or None, request.first_block_index
+            )
         except CapacityExhausted:
             self.metrics.placement_failures.inc()
             raise

@@ -49,3 +49,15 @@ def make_server(loop):
         channel.close()
     for server in started:
         loop.run(server.stop(0))
+
+
+@pytest.fixture
+def make_pair(make_server):
+    """``make_pair(num_blocks, layout, server_id, mirrored=True)`` -> a real server and its local mirror."""
+    from tests.services.attention.helpers import Pair
+
+    def make(num_blocks, layout, server_id="attn-0", mirrored=True):
+        server, stub = make_server(num_blocks, layout, server_id)
+        return Pair(stub, num_blocks, layout, mirrored=mirrored, address=server.address)
+
+    return make

@@ -1,9 +1,10 @@
-"""Client-side helpers of the attention-server tests: a tiny compute instance over real stubs.
+"""Client-side helpers of the attention-server tests: the real compute-side corridor over real stubs.
 
-``Pair`` is one remote server and a local mirror ``RManager`` that receives the same placement and the same
-step, so every partial the server returns has an in-process reference. ``Steps`` plays the compute
-instance: block tables over several pairs, ``split_step`` per sequence, random q/k/v per layer, and the
-dense causal attention every merged result must equal.
+``Pair`` is one remote server and a local mirror ``RManager`` that receives the same placement (same
+logical indices), so every partial the server returns has an in-process reference. ``Steps`` plays the
+compute instance with the real :class:`DistAttention` over the real :class:`GrpcTransport`: block tables
+chosen by the test, random q/k/v per layer, each server's partial checked against its mirror, and the
+merged output against dense causal attention.
 """
 
 from __future__ import annotations
@@ -12,63 +13,83 @@ import math
 
 import torch
 
-from infinite_llm.core.attention import merge_partials
-from infinite_llm.core.dist_attention import SeqStepInput, split_step
-from infinite_llm.core.rmanager import HolderSeqStep, KVLayout, RManager
+from infinite_llm.core.dist_attention import BlockId, BlockRef, DistAttention, HolderId, LayerInput, Partial
+from infinite_llm.core.local_transport import LocalTransport
+from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
-from infinite_llm.rpc import codec
+from infinite_llm.services.compute.grpc_transport import GrpcTransport
 
 TIMEOUT = 10
 
 
-def seq_attend(item: HolderSeqStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> pb.SeqAttend:
-    """One sequence's request part: all its queries ``q [T, H, D]``, the K/V rows of ``k, v [T, Hkv, D]`` kept here."""
-    msg = pb.SeqAttend(
-        seq_id=item.seq_id,
-        query_positions=item.query_positions,
-        context_len=item.context_len,
-        block_ids=item.block_ids,
-        block_indices=item.block_indices,
-        slot_mapping=item.slot_mapping,
-    )
-    codec.encode_tensor(q, msg.query)
-    if item.slot_mapping:
-        codec.encode_tensor(k[item.new_token_rows], msg.key)
-        codec.encode_tensor(v[item.new_token_rows], msg.value)
-    return msg
-
-
 class Pair:
-    """A remote attention server (``stub``) and its local mirror ``RManager`` with the same capacity."""
+    """A remote attention server (``stub`` at ``address``) and its local mirror ``RManager``."""
 
-    def __init__(self, stub, num_blocks: int, layout: KVLayout, mirrored: bool = True) -> None:
+    def __init__(self, stub, num_blocks: int, layout: KVLayout, mirrored: bool = True, address: str = "") -> None:
         self.stub = stub
+        self.address = address
         self.mirror = RManager(num_blocks, layout) if mirrored else None
 
-    def reserve_commit(self, seq_id: str, n: int) -> list[int]:
-        r = self.stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id=seq_id, num_blocks=n), timeout=TIMEOUT)
-        committed = self.stub.CommitBlocks(pb.CommitBlocksRequest(reservation_id=r.reservation_id), timeout=TIMEOUT)
+    def reserve_commit(self, seq_id: str, indices: list[int]) -> list[int]:
+        """Reserve and commit ``len(indices)`` rBlocks of ``seq_id`` at logical ``indices``."""
+        r = self.stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id=seq_id, num_blocks=len(indices)), timeout=TIMEOUT)
+        request = pb.CommitBlocksRequest(reservation_id=r.reservation_id, block_indices=indices)
+        committed = self.stub.CommitBlocks(request, timeout=TIMEOUT)
         assert committed.seq_id == seq_id and list(committed.block_ids) == list(r.block_ids)
         if self.mirror is not None:
-            assert self.mirror.allocate(seq_id, n) == list(r.block_ids)  # same free-list order on both
+            assert self.mirror.allocate(seq_id, indices) == list(r.block_ids)  # same free-list order on both
         return list(r.block_ids)
 
-    def attend(self, layer: int, parts: list[tuple[HolderSeqStep, torch.Tensor, torch.Tensor, torch.Tensor]]):
-        """Remote and mirror partials of ``parts`` [(item, q, k, v) per sequence]: two lists of (out, lse).
 
-        Without a mirror the second list is the first (nothing to compare with).
-        """
-        request = pb.AttendStepRequest(layer=layer, seqs=[seq_attend(*p) for p in parts])
-        reply = self.stub.AttendStep(request, timeout=TIMEOUT)
-        remote = [(codec.decode_tensor(r.partial_out), codec.decode_tensor(r.lse)) for r in reply.partials]
-        assert [r.seq_id for r in reply.partials] == [p[0].seq_id for p in parts]
-        if self.mirror is None:
-            return remote, remote
-        plan = self.mirror.plan_step([p[0] for p in parts])
-        q, k, v = (torch.cat([p[i] for p in parts]) for i in (1, 2, 3))
-        out, lse = self.mirror.attend(layer, plan, q, k[plan.new_token_rows], v[plan.new_token_rows])
-        counts = [p[1].shape[0] for p in parts]
-        return remote, list(zip(out.split(counts), lse.split(counts), strict=True))
+class TablePlacement:
+    """Placement where the test chose each rBlock's server (``servers[seq_id][i]`` for index ``i``)."""
+
+    def __init__(self, pairs: dict[str, Pair]) -> None:
+        self.pairs = pairs
+        self.servers: dict[str, list[str]] = {}
+        self.num_total_blocks = self.num_free_blocks = 1 << 20
+
+    def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef]:
+        chosen = self.servers[seq_id][first_index : first_index + n]
+        ids = {
+            s: iter(self.pairs[s].reserve_commit(seq_id, [first_index + i for i, c in enumerate(chosen) if c == s]))
+            for s in dict.fromkeys(chosen)
+        }
+        return [BlockRef(HolderId(s), BlockId(next(ids[s]))) for s in chosen]
+
+    def release(self, seq_id: str, holders) -> int:  # noqa: ANN001
+        return sum(
+            self.pairs[h].stub.FreeSequence(pb.FreeSequenceRequest(seq_id=seq_id), timeout=TIMEOUT).num_freed
+            for h in holders
+        )
+
+
+class CheckedTransport:
+    """The gRPC transport, plus the same step on the mirrors: every remote partial must equal its mirror's."""
+
+    def __init__(self, pairs: dict[str, Pair]) -> None:
+        self.pairs = pairs
+        self.remote = GrpcTransport(lambda s: pairs[s].address, timeout_s=TIMEOUT)
+        self.mirror = LocalTransport({HolderId(s): p.mirror for s, p in pairs.items() if p.mirror is not None})
+        self.partials: dict[int, dict[HolderId, Partial]] = {}  # layer -> server -> remote partial, last step
+
+    def open_step(self, step_id, plans, num_heads) -> None:  # noqa: ANN001
+        self.partials = {}
+        self.remote.open_step(step_id, plans, num_heads)
+        self.mirror.open_step(step_id, {h: s for h, s in plans.items() if h in self.mirror.holders}, num_heads)
+
+    def attend(self, step_id: int, layer: int, inputs: dict[HolderId, LayerInput]) -> dict[HolderId, Partial]:
+        remote = self.remote.attend(step_id, layer, inputs)
+        mirrored = {h: x for h, x in inputs.items() if h in self.mirror.holders}
+        for h, (out, lse) in self.mirror.attend(step_id, layer, mirrored).items():
+            torch.testing.assert_close(remote[h][0], out, atol=1e-5, rtol=0)
+            torch.testing.assert_close(remote[h][1], lse, atol=1e-5, rtol=0)
+        self.partials[layer] = remote
+        return remote
+
+    def close_step(self, step_id: int, failed: bool) -> None:
+        self.remote.close_step(step_id, failed)
+        self.mirror.close_step(step_id, failed)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -82,55 +103,52 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 
 class Steps:
-    """A compute instance in miniature: block tables over ``pairs`` and one step at a time."""
+    """A compute instance in miniature: the real DistAttention over ``pairs``, one whole step at a time."""
 
     def __init__(self, pairs: dict[str, Pair], layout: KVLayout, num_heads: int, seed: int = 0) -> None:
         self.pairs, self.layout, self.num_heads = pairs, layout, num_heads
-        self.tables: dict[str, list[tuple[str, int]]] = {}
+        self.placement = TablePlacement(pairs)
+        self.transport = CheckedTransport(pairs)
+        self.dist = DistAttention(self.placement, self.transport, layout.block_size)
         self.kv: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # all K/V so far, for dense
         self.gen = torch.Generator().manual_seed(seed)
 
     def place(self, seq_id: str, servers: list[str]) -> None:
-        """Block table entry ``i`` on ``servers[i]`` (reserved and committed in table order per server)."""
-        ids = {s: iter(self.pairs[s].reserve_commit(seq_id, servers.count(s))) for s in dict.fromkeys(servers)}
-        self.tables[seq_id] = [(s, next(ids[s])) for s in servers]
+        """Block table entry ``i`` on ``servers[i]`` (logical index ``i``)."""
+        self.placement.servers[seq_id] = list(servers)
+        assert self.dist.try_allocate(seq_id, len(servers))
+
+    @property
+    def tables(self) -> dict[str, list[BlockRef]]:
+        return {s: self.dist.block_table(s) for s in self.placement.servers}
 
     def _rand(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.layout.dtype)
 
-    def step(self, seqs: list[SeqStepInput], layer: int, check_dense: bool = True):
-        """Run one layer of a step on every involved server; asserts remote == mirror (and == dense).
+    def step(self, seqs: list[SeqStep], check_dense: bool = True) -> dict[int, dict[HolderId, Partial]]:
+        """Run every layer of one step; asserts remote == mirror per server and merged == dense.
 
-        Returns ``{server: [(out, lse) per sequence it serves]}`` of the remote partials.
+        Returns ``{layer: {server: (out, lse)}}`` of the remote partials (rows: the step's queries it saw).
         """
-        lay, per_server, new_kv = self.layout, {}, {}
-        for s in seqs:
-            q = self._rand(s.num_new, self.num_heads, lay.head_dim)
-            k, v = (self._rand(s.num_new, lay.num_kv_heads, lay.head_dim) for _ in range(2))
-            new_kv[s.seq_id] = (q, k, v)
-            for server, item in split_step(self.tables[s.seq_id], lay.block_size, s).items():
-                per_server.setdefault(server, []).append((item, q, k, v))
-        results = {}
-        for server, parts in per_server.items():
-            remote, mirror = self.pairs[server].attend(layer, parts)
-            for (ro, rl), (mo, ml) in zip(remote, mirror, strict=True):
-                torch.testing.assert_close(ro, mo, atol=1e-5, rtol=0)
-                torch.testing.assert_close(rl, ml, atol=1e-5, rtol=0)
-            results[server] = remote
-        if check_dense:
-            self._check_dense(seqs, layer, new_kv, per_server, results)
-        return results
+        lay, t = self.layout, sum(s.num_new for s in seqs)
+        with self.dist.prepare(seqs, self.num_heads) as attention:
+            for layer in range(lay.num_layers):
+                q = self._rand(t, self.num_heads, lay.head_dim)
+                k, v = (self._rand(t, lay.num_kv_heads, lay.head_dim) for _ in range(2))
+                out = attention(layer, q, k, v)
+                if check_dense:
+                    self._check_dense(seqs, layer, q, k, v, out)
+        return self.transport.partials
 
-    def _check_dense(self, seqs, layer, new_kv, per_server, results) -> None:
+    def _check_dense(self, seqs, layer, q, k, v, out) -> None:  # noqa: ANN001
+        start = 0
         for s in seqs:
-            q, k, v = new_kv[s.seq_id]
+            rows = slice(start, start + s.num_new)
             old_k, old_v = self.kv.get((s.seq_id, layer), (k[:0], v[:0]))
-            all_k, all_v = torch.cat([old_k, k]), torch.cat([old_v, v])
+            all_k, all_v = torch.cat([old_k, k[rows]]), torch.cat([old_v, v[rows]])
             self.kv[(s.seq_id, layer)] = (all_k, all_v)
-            parts = [
-                res[i] for srv, res in results.items() for i, p in enumerate(per_server[srv]) if p[0].seq_id == s.seq_id
-            ]
-            merged, _ = merge_partials(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] for p in parts]))
-            positions = list(range(s.num_computed, s.num_computed + s.num_new))
+            positions = list(range(s.num_computed_tokens, s.context_len))
             tol = 1e-5 if self.layout.dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(merged, dense_attention(q, all_k, all_v, positions), atol=tol, rtol=0)
+            want = dense_attention(q[rows], all_k, all_v, positions)
+            torch.testing.assert_close(out[rows].float(), want, atol=tol, rtol=0)
+            start += s.num_new

@@ -1,7 +1,8 @@
-"""AttentionServer over real loopback gRPC: placement, AttendStep vs local RManagers and dense attention,
+"""AttentionServer over real loopback gRPC: placement, AttendStream vs local RManagers and dense attention,
 stats, bad input with exact status codes, health, reflection, request ids, config."""
 
 import asyncio
+import queue
 import socket
 import time
 
@@ -12,14 +13,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from infinite_llm.core.config import ModelConfig
-from infinite_llm.core.dist_attention import SeqStepInput, split_step
-from infinite_llm.core.rmanager import KVLayout
+from infinite_llm.core.dist_attention import LayerInput
+from infinite_llm.core.rmanager import KVLayout, SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
 from infinite_llm.rpc import codec
 from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.rpc.interceptors import REQUEST_ID_KEY
 from infinite_llm.services.attention import AttentionServerConfig, serve
-from tests.services.attention.helpers import TIMEOUT, Pair, Steps, seq_attend
+from infinite_llm.services.compute.grpc_transport import layer_message, step_open
+from tests.services.attention.helpers import TIMEOUT, Steps
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)  # 1536 B per rBlock
 NUM_HEADS = 4
@@ -38,26 +40,33 @@ def _code(call, request) -> grpc.StatusCode:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prefill_then_decode_over_two_servers_matches_local_rmanagers_and_dense_attention(make_server, dtype):
+def test_prefill_then_decode_over_two_servers_matches_local_rmanagers_and_dense_attention(make_pair, dtype):
     layout = KVLayout(3, 4, 2, 8, dtype)
-    pairs = {sid: Pair(make_server(12, layout, sid)[1], 12, layout) for sid in ("A", "B")}
+    pairs = {sid: make_pair(12, layout, sid) for sid in ("A", "B")}
     steps = Steps(pairs, layout, NUM_HEADS)
     steps.place("a", ["A", "B", "A", "B"])  # 13 tokens
     steps.place("b", ["B", "A", "B"])  # 9 tokens
-    for layer in range(layout.num_layers):
-        steps.step([SeqStepInput("a", 0, 10), SeqStepInput("b", 0, 6)], layer)
+    steps.step([SeqStep("a", 0, 10), SeqStep("b", 0, 6)])
     for i in range(3):
-        for layer in range(layout.num_layers):
-            steps.step([SeqStepInput("a", 10 + i, 1), SeqStepInput("b", 6 + i, 1)], layer)
+        steps.step([SeqStep("a", 10 + i, 1), SeqStep("b", 6 + i, 1)])
 
 
-def test_a_server_holding_no_block_of_a_query_position_returns_lse_minus_inf(make_server):
-    pairs = {sid: Pair(make_server(4, LAYOUT, sid)[1], 4, LAYOUT) for sid in ("A", "B")}
+def test_a_server_holding_no_block_of_a_query_position_returns_lse_minus_inf(make_pair):
+    pairs = {sid: make_pair(4, LAYOUT, sid) for sid in ("A", "B")}
     steps = Steps(pairs, LAYOUT, NUM_HEADS)
     steps.place("a", ["A", "B"])
-    out, lse = steps.step([SeqStepInput("a", 0, 6)], layer=0)["B"][0]
+    out, lse = steps.step([SeqStep("a", 0, 6)])[0]["B"]
     assert torch.isinf(lse[:4]).all() and (lse[:4] < 0).all() and torch.isfinite(lse[4:]).all()
     assert torch.equal(out[:4], torch.zeros_like(out[:4]))
+
+
+def test_a_layer_message_does_not_grow_with_the_context():
+    """The bytes one sequence adds to a layer's message are the same at 1K and at 64K tokens of context."""
+    q, k = torch.zeros(1, 32, 128), torch.zeros(1, 8, 128)
+    layer = layer_message(5, LayerInput(q, k, k))
+    sizes = [(step_open(1, [SeqStep("s", ctx - 1, 1)], 32).ByteSize(), layer.ByteSize()) for ctx in (1024, 65536)]
+    assert sizes[0][1] == sizes[1][1] == layer.ByteSize()
+    assert sizes[1][0] - sizes[0][0] <= 2  # the step's opening: one varint grows by at most 2 bytes
 
 
 def test_stats_count_blocks_exactly_and_free_returns_to_baseline(make_server):
@@ -68,7 +77,8 @@ def test_stats_count_blocks_exactly_and_free_returns_to_baseline(make_server):
     assert s.layout.dtype == "float32" and _stats(stub) == (10, 0, 0, 0, 0)
     r = stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="a", num_blocks=3), timeout=TIMEOUT)
     assert list(r.block_ids) == [0, 1, 2] and _stats(stub) == (7, 0, 3, 0, 0)
-    stub.CommitBlocks(pb.CommitBlocksRequest(reservation_id=r.reservation_id), timeout=TIMEOUT)
+    commit = pb.CommitBlocksRequest(reservation_id=r.reservation_id, block_indices=[0, 1, 2])
+    stub.CommitBlocks(commit, timeout=TIMEOUT)
     assert _stats(stub) == (7, 3, 0, 1, 3 * 1536)
     r2 = stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="b", num_blocks=2), timeout=TIMEOUT)
     stub.CancelReservation(pb.CancelReservationRequest(reservation_id=r2.reservation_id), timeout=TIMEOUT)
@@ -80,89 +90,113 @@ def test_stats_count_blocks_exactly_and_free_returns_to_baseline(make_server):
 
 
 @pytest.fixture
-def prefilled(make_server):
+def prefilled(make_pair):
     """One server with sequence "a" (2 rBlocks) prefilled with 5 tokens, and a valid next decode step."""
-    _, stub = make_server(4, LAYOUT)
-    pair = Pair(stub, 4, LAYOUT)
+    pair = make_pair(4, LAYOUT)
     steps = Steps({"A": pair}, LAYOUT, NUM_HEADS)
     steps.place("a", ["A", "A"])
-    for layer in range(LAYOUT.num_layers):
-        steps.step([SeqStepInput("a", 0, 5)], layer)
+    steps.step([SeqStep("a", 0, 5)])
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(1, NUM_HEADS, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8)
     return pair, steps, (q, k, v)
 
 
-def _decode_request(steps, qkv, layer=0) -> pb.AttendStepRequest:
-    item = split_step(steps.tables["a"], LAYOUT.block_size, SeqStepInput("a", 5, 1))["A"]
-    return pb.AttendStepRequest(layer=layer, seqs=[seq_attend(item, *qkv)])
+def _decode_messages(qkv, layer=0) -> list[pb.AttendStreamRequest]:
+    """A valid decode step of "a" at position 5: its opening and one layer."""
+    return [step_open(7, [SeqStep("a", 5, 1)], NUM_HEADS), layer_message(layer, LayerInput(*qkv))]
 
 
 def _bad_query(dtype=torch.float32, shape=(1, NUM_HEADS, 8), nan=False):
-    def mutate(req):
+    def mutate(msgs):
         t = torch.randn(*shape).to(dtype)
         if nan:
             t[0, 0, 0] = float("nan")
-        codec.encode_tensor(t, req.seqs[0].query)
+        codec.encode_tensor(t, msgs[1].layer.query)
 
     return mutate
 
 
-def _set(field, value):
-    def mutate(req):
-        target = req if field == "layer" else req.seqs[0]
-        if isinstance(value, list):
-            target.ClearField(field)
-            getattr(target, field).extend(value)
-        else:
-            setattr(target, field, value)
+def _open(**fields):
+    def mutate(msgs):
+        for name, value in fields.items():
+            if name == "seq":
+                msgs[0].open.seqs[0].CopyFrom(pb.StepSeq(**value))
+            else:
+                setattr(msgs[0].open, name, value)
 
     return mutate
 
 
-def _inf_key(req):
-    codec.encode_tensor(torch.full((1, 2, 8), float("inf")), req.seqs[0].key)
+def _inf_key(msgs):
+    codec.encode_tensor(torch.full((1, 2, 8), float("inf")), msgs[1].layer.key)
 
 
-def _truncated_query(req):
-    req.seqs[0].query.data = req.seqs[0].query.data[:-4]
+def _truncated_query(msgs):
+    msgs[1].layer.query.data = msgs[1].layer.query.data[:-4]
+
+
+def _layer(n):
+    def mutate(msgs):
+        msgs[1].layer.layer = n
+
+    return mutate
 
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
-BAD_STEPS = {  # case: (mutation of a valid decode request, status code, part of the details)
+BAD_STEPS = {  # case: (mutation of a valid decode step's messages, status code, part of the details)
     "nan_query": (_bad_query(nan=True), INVALID, "query holds NaN"),
     "inf_key": (_inf_key, INVALID, "key holds NaN or infinite"),
-    "bf16_query_on_fp32_server": (_bad_query(dtype=torch.bfloat16), INVALID, "query dtype torch.bfloat16 differs"),
-    "wrong_head_dim": (_bad_query(shape=(1, NUM_HEADS, 7)), INVALID, "query shape [1, 4, 7]"),
-    "heads_not_multiple_of_kv_heads": (_bad_query(shape=(1, 3, 8)), INVALID, "a multiple of 2"),
+    "bf16_query_on_fp32_server": (_bad_query(dtype=torch.bfloat16), INVALID, "query is torch.bfloat16"),
+    "wrong_head_dim": (_bad_query(shape=(1, NUM_HEADS, 7)), INVALID, "query is torch.float32 [1, 4, 7]"),
+    "heads_not_multiple_of_kv_heads": (_open(num_heads=3), INVALID, "not a positive multiple of 2"),
     "bytes_do_not_match_shape": (_truncated_query, INVALID, "124 data bytes do not match shape [1, 4, 8]"),
-    "unknown_sequence": (_set("seq_id", "zzz"), NOT_FOUND, "'zzz' holds no rBlocks here"),
-    "layer_out_of_range": (_set("layer", 3), INVALID, "layer 3 out of range"),
-    "block_not_owned": (_set("block_ids", [3, 1]), INVALID, "does not own rBlocks [3]"),
-    "slot_outside_listed_blocks": (_set("block_ids", [0, 2]), INVALID, "slot of slot_mapping lies outside"),
-    "position_beyond_context": (_set("query_positions", [6]), INVALID, "query position outside [0, 6)"),
-    "missing_key": (lambda req: req.seqs[0].ClearField("key"), INVALID, "key missing for 1 slots"),
+    "unknown_sequence": (_open(seq={"seq_id": "zzz", "num_computed_tokens": 5, "num_new": 1}), NOT_FOUND, "'zzz'"),
+    "layer_out_of_range": (_layer(3), INVALID, "layer 3 out of range"),
+    "no_new_token": (_open(seq={"seq_id": "a", "num_computed_tokens": 5, "num_new": 0}), INVALID, "num_new 0"),
+    "step_past_its_rblocks": (
+        _open(seq={"seq_id": "a", "num_computed_tokens": 8, "num_new": 1}),
+        INVALID,
+        "key is torch.float32 [1, 2, 8], the step needs torch.float32 [0, 2, 8]",
+    ),
+    "missing_key": (lambda msgs: msgs[1].layer.ClearField("key"), INVALID, "unknown dtype"),
+    "no_opening": (lambda msgs: msgs.pop(0), INVALID, "must start with a StepOpen"),
+    "two_openings": (lambda msgs: msgs.insert(1, msgs[0]), INVALID, "exactly one StepOpen"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_STEPS))
-def test_bad_attend_steps_get_exact_codes_change_nothing_and_the_next_step_is_right(prefilled, case):
+def test_bad_steps_get_exact_codes_change_nothing_and_the_next_step_is_right(prefilled, case):
     pair, steps, qkv = prefilled
     mutate, code, details = BAD_STEPS[case]
     before = _stats(pair.stub)
-    bad = _decode_request(steps, qkv)
+    bad = _decode_messages(qkv)
     mutate(bad)
     with pytest.raises(grpc.RpcError) as info:
-        pair.stub.AttendStep(bad, timeout=TIMEOUT)
+        list(pair.stub.AttendStream(iter(bad), timeout=TIMEOUT))
     assert info.value.code() == code and details in info.value.details()
     assert _stats(pair.stub) == before
-    good = pair.stub.AttendStep(_decode_request(steps, qkv), timeout=TIMEOUT).partials[0]
-    item = split_step(steps.tables["a"], LAYOUT.block_size, SeqStepInput("a", 5, 1))["A"]
-    plan = pair.mirror.plan_step([item])
-    q, k, v = qkv
-    want, want_lse = pair.mirror.attend(0, plan, q, k[plan.new_token_rows], v[plan.new_token_rows])
+    (good,) = list(pair.stub.AttendStream(iter(_decode_messages(qkv)), timeout=TIMEOUT))
+    plan = pair.mirror.plan_step([SeqStep("a", 5, 1)])
+    want, want_lse = pair.mirror.attend(0, plan, *qkv)
     assert torch.equal(codec.decode_tensor(good.partial_out), want)
     assert torch.equal(codec.decode_tensor(good.lse), want_lse)
+
+
+def test_a_plan_freed_mid_step_is_refused_not_written(prefilled):
+    """FreeSequence between two layers of a step: the next layer is NOT_FOUND, nothing lands in freed blocks."""
+    pair, _, qkv = prefilled
+    outbox = queue.SimpleQueue()
+    outbox.put(step_open(9, [SeqStep("a", 5, 1)], NUM_HEADS))
+    outbox.put(layer_message(0, LayerInput(*qkv)))
+    replies = pair.stub.AttendStream(iter(outbox.get, None), timeout=TIMEOUT)
+    assert next(replies).layer == 0
+    pair.stub.FreeSequence(pb.FreeSequenceRequest(seq_id="a"), timeout=TIMEOUT)
+    outbox.put(layer_message(1, LayerInput(*qkv)))
+    with pytest.raises(grpc.RpcError) as info:
+        next(replies)
+    outbox.put(None)
+    assert info.value.code() == NOT_FOUND and "freed during the step" in info.value.details()
+    assert _stats(pair.stub) == (4, 0, 0, 0, 0)
 
 
 def test_bad_placement_calls_get_exact_codes_and_change_nothing(prefilled):

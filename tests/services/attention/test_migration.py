@@ -8,8 +8,8 @@ import grpc
 import pytest
 import torch
 
-from infinite_llm.core.dist_attention import SeqStepInput
-from infinite_llm.core.rmanager import KVLayout
+from infinite_llm.core.dist_attention import BlockRef
+from infinite_llm.core.rmanager import KVLayout, SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
 from infinite_llm.rpc import codec
 from tests.services.attention.helpers import TIMEOUT, Pair, Steps
@@ -24,14 +24,13 @@ def _stats(stub) -> tuple[int, int, int]:
 
 
 @pytest.fixture
-def source(make_server):
+def source(make_pair):
     """Server A with sequence "s" on 3 rBlocks, prefilled with 10 tokens on every layer."""
-    _, stub = make_server(8, LAYOUT, "A")
-    steps = Steps({"A": Pair(stub, 8, LAYOUT)}, LAYOUT, NUM_HEADS)
+    pair = make_pair(8, LAYOUT, "A")
+    steps = Steps({"A": pair}, LAYOUT, NUM_HEADS)
     steps.place("s", ["A"] * 3)
-    for layer in range(LAYOUT.num_layers):
-        steps.step([SeqStepInput("s", 0, 10)], layer)
-    return stub, steps
+    steps.step([SeqStep("s", 0, 10)])
+    return pair.stub, steps
 
 
 def _export(stub, chunk_bytes=1000) -> list[pb.BlockTransferChunk]:
@@ -39,20 +38,26 @@ def _export(stub, chunk_bytes=1000) -> list[pb.BlockTransferChunk]:
     return list(stub.ExportBlocks(request, timeout=TIMEOUT))
 
 
-def _decode_on(steps: Steps, server: str, table: list[tuple[str, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One decode step (position 10) of "s" with ``table``, every layer, same q/k/v for a given seed."""
-    steps.tables["s"], steps.gen = table, torch.Generator().manual_seed(7)
-    return [steps.step([SeqStepInput("s", 10, 1)], layer, check_dense=False)[server][0] for layer in range(3)]
+def _decode_on(steps: Steps, server: str, block_ids) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """One decode step (position 10) of "s" with its table on ``server``, every layer, same q/k/v per seed.
+
+    The table flips as at the end of a migration: the new server recorded each rBlock's index at import.
+    """
+    steps.dist.replace_table("s", [BlockRef(server, b) for b in block_ids])
+    steps.gen = torch.Generator().manual_seed(7)
+    partials = steps.step([SeqStep("s", 10, 1)], check_dense=False)
+    return [partials[layer][server] for layer in range(3)]
 
 
 def test_export_then_import_gives_identical_partials_on_the_new_server(source, make_server):
     stub_a, steps = source
-    _, stub_c = make_server(8, LAYOUT, "C")
+    server_c, stub_c = make_server(8, LAYOUT, "C")
     stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="x", num_blocks=2), timeout=TIMEOUT)  # ids 0, 1 taken
     r = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=3), timeout=TIMEOUT)
     chunks = _export(stub_a)
     header = chunks[0].header
     assert list(header.block_ids) == [0, 1, 2] and list(header.payload.shape) == [2, 3, 3, 4, 2, 8]
+    assert list(header.block_indices) == [0, 1, 2]
     assert [len(c.data) for c in chunks[1:]] == [1000] * 4 + [3 * 1536 - 4000]
     header.reservation_id = r.reservation_id
     seen_mid_stream = []
@@ -71,9 +76,9 @@ def test_export_then_import_gives_identical_partials_on_the_new_server(source, m
     assert reply.seq_id == "s" and list(reply.block_ids) == list(r.block_ids) == [2, 3, 4]
     assert seen_mid_stream == [(3, 0, 5), grpc.StatusCode.NOT_FOUND]
     assert _stats(stub_c) == (3, 3, 2)
-    steps.pairs["C"] = Pair(stub_c, 8, LAYOUT, mirrored=False)  # compare server A with server C
-    on_a = _decode_on(steps, "A", [("A", b) for b in header.block_ids])
-    on_c = _decode_on(steps, "C", [("C", b) for b in reply.block_ids])
+    steps.pairs["C"] = Pair(stub_c, 8, LAYOUT, mirrored=False, address=server_c.address)  # compare A with C
+    on_a = _decode_on(steps, "A", header.block_ids)
+    on_c = _decode_on(steps, "C", reply.block_ids)
     for (out_a, lse_a), (out_c, lse_c) in zip(on_a, on_c, strict=True):
         assert torch.equal(out_a, out_c) and torch.equal(lse_a, lse_c)
 
@@ -196,8 +201,9 @@ def test_a_header_asking_for_more_blocks_than_exist_is_refused_before_any_data(s
     stub_a, _ = source
     _, stub_c = make_server(8, LAYOUT, "C")
     chunks = _export(stub_a)
-    chunks[0].header.payload.shape[2] = 10**12  # would be ~1.5 PB: refused by the reservation, never allocated
+    chunks[0].header.payload.shape[2] = 10**12  # would be ~1.5 PB: refused by the header check, never allocated
     with pytest.raises(grpc.RpcError) as info:
         stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the header gives 3 block_indices for payload shape [2, 3, 1000000000000" in info.value.details()
     assert _stats(stub_c) == (8, 0, 0)

@@ -31,6 +31,7 @@ def pool_state(servers: LocalServers) -> dict[str, tuple]:
 async def running_manager(etcd, prefix, servers, manager_id="m1", register=True, lead=True, **config):
     """A started GlobalManager (leader unless ``lead`` is False) with every server registered."""
     async with open_store(etcd, prefix) as store:
+        config.setdefault("block_size", LAYOUT.block_size)
         manager = GlobalManager(store, servers, ManagerConfig(manager_id, **config))
         await manager.start(acquire_timeout_s=10 if lead else None)
         try:

@@ -210,7 +210,7 @@ def test_a_placement_finishing_while_the_ledger_is_read_keeps_the_server():
                     for i, free in ((0, 8), (1, 6))
                 ]
                 state = ClusterState("m1", members, {})  # the ledger as read: before the placement's write
-                await guard.commit("attention-1", reservation.reservation_id)  # ... which lands meanwhile
+                await guard.commit("attention-1", reservation.reservation_id, [0, 1])  # ... which lands meanwhile
                 return state
 
         sts = FakeStatefulSet(2)
@@ -266,7 +266,7 @@ def test_drain_guard_refuses_draining_servers_and_counts_reservations_in_flight(
         assert servers.rmanagers["attention-1"].pool.num_reserved == 0
         r = await guard.reserve("attention-0", "s", 2)
         assert guard.in_flight("attention-0") == 1
-        assert await guard.commit("attention-0", r.reservation_id) == [0, 1]
+        assert await guard.commit("attention-0", r.reservation_id, [0, 1]) == [0, 1]
         assert guard.in_flight("attention-0") == 0
         r = await guard.reserve("attention-0", "t", 1)
         await guard.cancel("attention-0", r.reservation_id)
@@ -401,6 +401,7 @@ def test_serve_manager_scales_the_statefulset_when_its_pool_fills(etcd_server, e
         port=port,
         prefix=etcd_prefix,
         member_ttl_s=3,
+        block_size=LAYOUT.block_size,
         autoscale=AutoscaleSettings("attention", "llm", policy, interval_s=0.1),
     )
 

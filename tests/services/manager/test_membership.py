@@ -20,8 +20,8 @@ def test_registered_server_appears_in_members_and_etcd(etcd_server, etcd_prefix)
     async def scenario():
         servers = make_servers({"b": 4, "a": 8})
         async with running_manager(etcd_server, etcd_prefix, servers, register=False) as m:
-            reg = await m.register("a", "10.0.0.1:50051", 8, 16, kind="attention", ttl_s=5)
-            await m.register("b", "10.0.0.2:50051", 4, 16)
+            reg = await m.register("a", "10.0.0.1:50051", 8, 4, kind="attention", ttl_s=5)
+            await m.register("b", "10.0.0.2:50051", 4, 4)
             assert _ids(m) == ["a", "b"]
             assert m.members()[0].lease_id == reg.lease_id and reg.ttl_s == 5
             async with open_store(etcd_server, etcd_prefix) as raw:
@@ -29,7 +29,7 @@ def test_registered_server_appears_in_members_and_etcd(etcd_server, etcd_prefix)
             assert kv.lease == reg.lease_id
             assert json.loads(kv.value) == {
                 "address": "10.0.0.1:50051",
-                "block_size": 16,
+                "block_size": 4,
                 "capacity_blocks": 8,
                 "kind": "attention",
             }
@@ -39,7 +39,7 @@ def test_registered_server_appears_in_members_and_etcd(etcd_server, etcd_prefix)
                 ("b", 4, False),
             ]
             with pytest.raises(InvalidRequest):
-                await m.register("bad/id", "x", 1, 16)
+                await m.register("bad/id", "x", 1, 4)
 
     asyncio.run(scenario())
 
@@ -50,7 +50,7 @@ def test_a_follower_sees_members_through_its_watch(etcd_server, etcd_prefix):
         async with running_manager(etcd_server, etcd_prefix, servers, register=False) as leader:
             async with running_manager(etcd_server, etcd_prefix, servers, "m2", register=False, lead=False) as follower:
                 assert _ids(follower) == []
-                await leader.register("a", "10.0.0.1:50051", 4, 16)
+                await leader.register("a", "10.0.0.1:50051", 4, 4)
                 await wait_for(lambda: _ids(follower) == ["a"], timeout_s=5)
                 await leader.deregister("a")
                 await wait_for(lambda: _ids(follower) == [], timeout_s=5)
@@ -77,7 +77,7 @@ def test_member_vanishes_after_ttl_once_heartbeats_stop(etcd_server, etcd_prefix
     async def scenario():
         servers = make_servers({"a": 8})
         async with running_manager(etcd_server, etcd_prefix, servers, register=False) as m:
-            await m.register("a", "10.0.0.1:50051", 8, 16, ttl_s=2)
+            await m.register("a", "10.0.0.1:50051", 8, 4, ttl_s=2)
 
             async def heartbeats():
                 while True:

@@ -40,7 +40,7 @@ def test_failed_reservation_on_stale_server_falls_over_to_another(etcd_server, e
     async def scenario():
         servers = make_servers({"a": 8, "b": 4})
         async with running_manager(etcd_server, etcd_prefix, servers) as m:
-            servers.rmanagers["a"].allocate("local-work", 6)  # behind the manager's back: its view says 8 free
+            servers.rmanagers["a"].allocate("local-work", range(6))  # behind the manager's back: its view says 8 free
             assert await m.place("s", 4) == [Grant("b", 4, (0, 1, 2, 3))]
             a = (await m.cluster_state()).members[0]
             assert (a.info.server_id, a.free_blocks, a.stale) == ("a", 0, True)

@@ -17,10 +17,10 @@ def test_new_manager_recovers_members_ledger_and_capacity_after_a_crash(etcd_ser
     async def scenario():
         servers = make_servers({"a": 8, "b": 4})
         async with open_store(etcd_server, etcd_prefix) as store:
-            first = GlobalManager(store, servers, ManagerConfig("m1", leader_ttl_s=2))
+            first = GlobalManager(store, servers, ManagerConfig("m1", block_size=4, leader_ttl_s=2))
             await first.start(acquire_timeout_s=5)
-            await first.register("a", "10.0.0.1:50051", 8, 16)
-            await first.register("b", "10.0.0.2:50051", 4, 16)
+            await first.register("a", "10.0.0.1:50051", 8, 4)
+            await first.register("b", "10.0.0.2:50051", 4, 4)
             await first.place("s1", 5, near="a")
             await first.place("s2", 3, near="b")
             await first.stop(resign=False)  # a crash: the leader key lingers until its lease expires
@@ -43,10 +43,10 @@ def test_new_manager_recovers_members_ledger_and_capacity_after_a_crash(etcd_ser
 def test_takeover_waits_for_the_crashed_leaders_lease(etcd_server, etcd_prefix):
     async def scenario():
         async with open_store(etcd_server, etcd_prefix) as store:
-            first = GlobalManager(store, make_servers({}), ManagerConfig("m1", leader_ttl_s=2))
+            first = GlobalManager(store, make_servers({}), ManagerConfig("m1", block_size=4, leader_ttl_s=2))
             await first.start(acquire_timeout_s=5)
             await first.stop(resign=False)
-            second = GlobalManager(store, make_servers({}), ManagerConfig("m2"))
+            second = GlobalManager(store, make_servers({}), ManagerConfig("m2", block_size=4))
             start = time.monotonic()
             await second.start(acquire_timeout_s=10)
             assert second.is_leader and 0.5 < time.monotonic() - start < 5
@@ -68,7 +68,7 @@ def test_second_manager_cannot_write_while_the_first_leads(etcd_server, etcd_pre
                 with pytest.raises(NotLeader):
                     await other.release("s")
                 with pytest.raises(NotLeader):
-                    await other.register("z", "x", 4, 16)
+                    await other.register("z", "x", 4, 4)
                 with pytest.raises(NotLeader, match="within 0.3 s"):
                     await other.acquire_leadership(0.3)
                 assert (pool_state(servers), (await leader.cluster_state()).ledger) == before
@@ -103,7 +103,7 @@ def test_member_view_and_ledger_survive_an_etcd_restart(tmp_path):
         servers = make_servers({"a": 4, "b": 4})
         try:
             async with running_manager(etcd, "/infinite-llm/", servers, register=False) as m:
-                reg = await m.register("a", "10.0.0.1:50051", 4, 16, ttl_s=30)
+                reg = await m.register("a", "10.0.0.1:50051", 4, 4, ttl_s=30)
                 await m.place("s", 3)
                 etcd.stop()
                 etcd = start_etcd(data_dir=tmp_path / "etcd", client_port=etcd.client_port)

@@ -59,9 +59,9 @@ class DrainGuard:
         self._open.add((server_id, reservation.reservation_id))
         return reservation
 
-    async def commit(self, server_id: str, reservation_id: int) -> list[int]:
+    async def commit(self, server_id: str, reservation_id: int, block_indices: list[int]) -> list[int]:
         try:
-            return await self._servers.commit(server_id, reservation_id)
+            return await self._servers.commit(server_id, reservation_id, block_indices)
         finally:
             self._settle(server_id, reservation_id)
 

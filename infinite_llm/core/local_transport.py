@@ -1,0 +1,77 @@
+"""DistAttention's in-process holders: placement over and transport to rManagers of this process.
+
+The single-process engine computes every attention as partition + merge over ``num_partitions`` of these
+(DESIGN.md §3), so it is the reference the mesh's gRPC and torch.distributed transports are checked
+against. Placement puts each new rBlock on the holder with the most free blocks (the first on ties), the
+paper's "creditor with the most free memory" rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from infinite_llm.core.dist_attention import BlockId, BlockRef, HolderId, LayerInput, Partial
+from infinite_llm.core.rmanager import RManager, SeqStep, StepPlan
+
+
+def partition_id(p: int) -> HolderId:
+    """Holder id of in-process partition ``p``."""
+    return HolderId(f"partition-{p}")
+
+
+class LocalPlacement:
+    """Most-free placement over in-process rManagers (ties go to the earlier holder)."""
+
+    def __init__(self, holders: Mapping[HolderId, RManager]) -> None:
+        if not holders:
+            raise ValueError("need at least one holder")
+        sizes = {h.layout.block_size for h in holders.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"holders disagree on block_size: {sorted(sizes)}")
+        self.holders = dict(holders)
+
+    @property
+    def num_total_blocks(self) -> int:
+        return sum(h.pool.num_blocks for h in self.holders.values())
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(h.pool.num_free for h in self.holders.values())
+
+    def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef] | None:
+        """``n`` rBlocks, each on the holder with the most free blocks at that point; ``None`` if too few."""
+        if n > self.num_free_blocks:
+            return None
+        ids = list(self.holders)
+        free = [self.holders[h].pool.num_free for h in ids]
+        order: list[int] = []
+        for _ in range(n):
+            p = max(range(len(free)), key=lambda i: (free[i], -i))
+            free[p] -= 1
+            order.append(p)
+        indices: dict[int, list[int]] = {}
+        for i, p in enumerate(order, start=first_index):
+            indices.setdefault(p, []).append(i)
+        fresh = {p: iter(self.holders[ids[p]].allocate(seq_id, idx)) for p, idx in indices.items()}
+        return [BlockRef(ids[p], BlockId(next(fresh[p]))) for p in order]
+
+    def release(self, seq_id: str, holders: Sequence[HolderId]) -> int:
+        return sum(self.holders[h].free_sequence(seq_id) for h in holders)
+
+
+class LocalTransport:
+    """Steps on in-process rManagers: the plan is built at open, each layer calls ``RManager.attend``."""
+
+    def __init__(self, holders: Mapping[HolderId, RManager]) -> None:
+        self.holders = dict(holders)
+        self._plans: dict[int, dict[HolderId, StepPlan]] = {}
+
+    def open_step(self, step_id: int, plans: Mapping[HolderId, list[SeqStep]], num_heads: int) -> None:
+        self._plans[step_id] = {h: self.holders[h].plan_step(seqs) for h, seqs in plans.items()}
+
+    def attend(self, step_id: int, layer: int, inputs: Mapping[HolderId, LayerInput]) -> dict[HolderId, Partial]:
+        plans = self._plans[step_id]
+        return {h: self.holders[h].attend(layer, plans[h], x.query, x.key, x.value) for h, x in inputs.items()}
+
+    def close_step(self, step_id: int, failed: bool) -> None:
+        self._plans.pop(step_id, None)

@@ -1,0 +1,147 @@
+"""DistAttention's gRPC transport: one bidirectional ``AttendStream`` per attention server and step.
+
+The stream opens with a ``StepOpen`` (step id, and per sequence only ``seq_id``, ``num_computed_tokens``,
+``num_new``: the server plans the step once from the rBlocks it recorded at commit), then carries one
+``LayerInput`` (queries + the new K/V stored there) per layer, each answered by one ``LayerPartial``
+(``partial_out`` + ``lse``). A layer's bytes depend on the step's new tokens only, never on the context
+(DESIGN.md §3). The deadline covers the whole step; an error ends the stream with its status, which
+becomes the typed error here (``UNAVAILABLE`` makes the compute instance recompute on the survivors).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from infinite_llm.client.errors import error_from_rpc
+from infinite_llm.core.dist_attention import HolderId, LayerInput, Partial
+from infinite_llm.core.rmanager import SeqStep
+from infinite_llm.pb.v1 import attention_server_pb2 as apb
+from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
+from infinite_llm.rpc.channels import sync_channel
+from infinite_llm.rpc.codec import decode_tensor, encode_tensor
+
+OnRpc = Callable[[str, float], None]
+
+
+def step_open(step_id: int, seqs: list[SeqStep], num_heads: int, tensor_channel: str = "") -> apb.AttendStreamRequest:
+    """The first message of a step's stream to one server."""
+    return apb.AttendStreamRequest(
+        open=apb.StepOpen(
+            step_id=step_id,
+            num_heads=num_heads,
+            tensor_channel=tensor_channel,
+            seqs=[
+                apb.StepSeq(seq_id=s.seq_id, num_computed_tokens=s.num_computed_tokens, num_new=s.num_new) for s in seqs
+            ],
+        )
+    )
+
+
+def layer_message(layer: int, x: LayerInput | None) -> apb.AttendStreamRequest:
+    """One layer's message: ``x``'s tensors inline (``None``: they travel on a tensor channel)."""
+    msg = apb.AttendStreamRequest(layer=apb.LayerInput(layer=layer))
+    if x is not None:
+        encode_tensor(x.query, msg.layer.query)
+        encode_tensor(x.key, msg.layer.key)
+        encode_tensor(x.value, msg.layer.value)
+    return msg
+
+
+@dataclass
+class StepStream:
+    """One server's stream of one step: requests go into ``outbox``; ``replies`` yields LayerPartials."""
+
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    call: object = None  # the grpc call: an iterator of replies with cancel()
+    sent_at: float = 0.0
+
+    def requests(self) -> Iterator[apb.AttendStreamRequest]:
+        while (msg := self.outbox.get()) is not None:
+            yield msg
+
+    def reply(self) -> apb.LayerPartial:
+        try:
+            return next(self.call)  # type: ignore[call-overload]
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+        except StopIteration:
+            raise error_from_rpc(_EndedEarly()) from None
+
+
+class _EndedEarly(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the attention server ended a step's stream before answering every layer"
+
+
+class StubCache:
+    """One channel and stub per attention server, by address (re-made when a server's address changes)."""
+
+    def __init__(self, address_of: Callable[[HolderId], str]) -> None:
+        self._address_of = address_of
+        self._stubs: dict[HolderId, tuple[str, agrpc.AttentionServerStub]] = {}
+
+    def get(self, server: HolderId) -> agrpc.AttentionServerStub:
+        address = self._address_of(server)
+        cached = self._stubs.get(server)
+        if cached is None or cached[0] != address:
+            cached = (address, agrpc.AttentionServerStub(sync_channel(address)))
+            self._stubs[server] = cached
+        return cached[1]
+
+
+class GrpcTransport:
+    """:class:`~infinite_llm.core.dist_attention.AttentionTransport` over ``AttendStream`` (tensors inline)."""
+
+    def __init__(self, address_of: Callable[[HolderId], str], timeout_s: float = 30.0, on_rpc: OnRpc | None = None):
+        self.stubs = StubCache(address_of)
+        self.timeout_s = timeout_s
+        self._on_rpc = on_rpc
+        self._steps: dict[int, dict[HolderId, StepStream]] = {}
+
+    def open_step(self, step_id: int, plans: Mapping[HolderId, list[SeqStep]], num_heads: int) -> None:
+        streams: dict[HolderId, StepStream] = {}
+        self._steps[step_id] = streams
+        for server, seqs in plans.items():
+            stream = StepStream()
+            stream.outbox.put(step_open(step_id, seqs, num_heads, self.tensor_channel(server)))
+            stream.call = self.stubs.get(server).AttendStream(stream.requests(), timeout=self.timeout_s)
+            streams[server] = stream
+
+    def tensor_channel(self, server: HolderId) -> str:
+        """The tensor channel a step to ``server`` names ('' here: tensors travel inline)."""
+        return ""
+
+    def attend(self, step_id: int, layer: int, inputs: Mapping[HolderId, LayerInput]) -> dict[HolderId, Partial]:
+        """Send the layer to every server first, then collect: the servers compute concurrently."""
+        streams = self._steps[step_id]
+        for server, x in inputs.items():
+            streams[server].sent_at = time.perf_counter()
+            streams[server].outbox.put(layer_message(layer, x))
+        out = {}
+        for server in inputs:
+            reply = streams[server].reply()
+            out[server] = (
+                decode_tensor(reply.partial_out, field="partial_out"),
+                decode_tensor(reply.lse, field="lse"),
+            )
+            self._observe(server, streams[server].sent_at)
+        return out
+
+    def _observe(self, server: HolderId, sent_at: float) -> None:
+        if self._on_rpc is not None:
+            self._on_rpc(server, time.perf_counter() - sent_at)
+
+    def close_step(self, step_id: int, failed: bool) -> None:
+        """Half-close every stream of the step; a failed step also cancels them (the servers drop their plans)."""
+        for stream in self._steps.pop(step_id, {}).values():
+            stream.outbox.put(None)
+            if failed and stream.call is not None:
+                stream.call.cancel()  # type: ignore[attr-defined]
