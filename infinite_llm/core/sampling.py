@@ -79,7 +79,8 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, output_index: int) 
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     assert params.seed is not None
-    return int(torch.multinomial(probs, 1, generator=_generator(params.seed, output_index)))
+    # The generator is a CPU one, so the draw is made on the CPU: a seed gives the same tokens on every device.
+    return int(torch.multinomial(probs.cpu(), 1, generator=_generator(params.seed, output_index)))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:

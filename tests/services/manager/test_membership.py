@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound
 
 from .helpers import make_servers, open_store, running_manager, wait_for
 
@@ -94,5 +94,20 @@ def test_member_vanishes_after_ttl_once_heartbeats_stop(etcd_server, etcd_prefix
             assert gone_after_s > 1.0  # the TTL, not something else, removed it
             with pytest.raises(NotFound, match="'a'"):
                 await m.heartbeat("a", free_blocks=5)
+
+    asyncio.run(scenario())
+
+
+def test_a_server_with_another_block_size_is_refused_and_nothing_is_registered(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers, register=False, block_size=4) as m:
+            with pytest.raises(FailedPrecondition, match="uses rBlocks of 16 tokens; this cluster's block_size is 4"):
+                await m.register("a", "10.0.0.1:50051", 8, 16)
+            assert _ids(m) == []
+            async with open_store(etcd_server, etcd_prefix) as raw:
+                assert await raw.get("members/a") is None
+            with pytest.raises(FailedPrecondition, match="the caller placing 's'"):
+                m.check_block_size(8, "the caller placing 's'")
 
     asyncio.run(scenario())
