@@ -26,9 +26,11 @@ from infinite_llm.rpc.sizes import format_size
 from infinite_llm.services.attention.holder import AttentionHolder
 from infinite_llm.services.attention.registrar import Registrar
 from infinite_llm.services.attention.servicer import AttentionServicer
+from infinite_llm.services.attention.tensor_channels import TensorChannels
 
 log = logging.getLogger(__name__)
 KV_DTYPES = ("float32", "bfloat16", "float16")
+TRANSPORTS = ("grpc", "torch")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class AttentionServerConfig:
             raise ValueError(f"AttentionServerConfig.port must be in [0, 65536), got {self.port}")
         if not self.server_id:
             raise ValueError("AttentionServerConfig.server_id must not be empty")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"AttentionServerConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         per_block = self.layout.bytes_per_block
         if self.kv_memory_bytes < per_block:
             raise ValueError(
@@ -112,7 +116,8 @@ class AttentionServer:
         return f"{self.config.host}:{self.rpc.port}"
 
     async def stop(self, grace: float | None = None) -> None:
-        """Graceful stop (NOT_SERVING, drain for ``grace`` seconds, default ``config.grace_s``)."""
+        """Graceful stop (NOT_SERVING, drain for ``grace`` seconds, default ``config.grace_s``); closes the
+        tensor channels."""
         await self.rpc.stop(self.config.grace_s if grace is None else grace)
         self.servicer.close()
 
@@ -120,7 +125,8 @@ class AttentionServer:
 async def start(config: AttentionServerConfig) -> AttentionServer:
     """Allocate the KV memory and start serving; returns once the port is bound and SERVING."""
     holder = AttentionHolder.with_capacity(config.kv_memory_bytes, config.layout, device=config.device)
-    servicer = AttentionServicer(holder, config.server_id)
+    channels = TensorChannels(config.device) if config.transport == "torch" else None
+    servicer = AttentionServicer(holder, config.server_id, channels)
     service = Service.of(
         attention_server_pb2,
         "AttentionServer",

@@ -1,8 +1,10 @@
 """AttentionServer servicer: decode with the codec, call the holder, encode the reply. Nothing else.
 
 Every holder call (and the decode/encode around it) runs on one dedicated thread, so the RManager is
-never touched concurrently and the event loop stays free for health checks and streaming. Errors are
-typed (``core/errors.py``) and become status codes in ``rpc/interceptors/errors.py``.
+never touched concurrently and the event loop stays free for health checks and streaming. A step that
+names a tensor channel (``tensor_channels.py``) receives each layer's bytes on the channel's thread first,
+then runs the layer on the rManager's thread, which queues the partial's bytes back on the channel. Errors
+are typed (``core/errors.py``) and become status codes in ``rpc/interceptors/errors.py``.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from infinite_llm.core.block_pool import Reservation
-from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound
 from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as pb_grpc
 from infinite_llm.pb.v1 import tensor_pb2
 from infinite_llm.rpc import codec
+from infinite_llm.rpc import tensor_channel as tc
 from infinite_llm.services.attention.holder import AttentionHolder
+from infinite_llm.services.attention.tensor_channels import TensorChannel, TensorChannels
 from infinite_llm.services.attention.types import ServerStep
 
 T = TypeVar("T")
@@ -28,18 +32,27 @@ MAX_CHUNK_BYTES = 16 << 20  # an export chunk larger than this defeats the point
 
 
 class AttentionServicer(pb_grpc.AttentionServerServicer):
-    """Serves one :class:`AttentionHolder`. Call :meth:`close` after the server stopped."""
+    """Serves one :class:`AttentionHolder`. Call :meth:`close` after the server stopped.
 
-    def __init__(self, holder: AttentionHolder, server_id: str) -> None:
+    ``channels``: the tensor channels this server accepts (``None``: tensors travel in the stream only).
+    """
+
+    def __init__(self, holder: AttentionHolder, server_id: str, channels: TensorChannels | None = None) -> None:
         self.on_attend_step: Callable[[float], None] | None = None  # seconds per AttendStep (metrics)
         self.holder = holder
         self.server_id = server_id
+        self.channels = channels
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rmanager-{server_id}")
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def _on(self, channel: TensorChannel, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(channel.thread, fn, *args)
+
     def close(self) -> None:
+        if self.channels is not None:
+            self.channels.close_all()
         self._executor.shutdown(wait=True)
 
     # ---- placement -----------------------------------------------------------------------------------
@@ -88,12 +101,19 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         first = await anext(stream, None)
         if first is None or first.WhichOneof("part") != "open":
             raise InvalidRequest("an AttendStream must start with a StepOpen")
+        channel = self._channels().get(first.open.tensor_channel) if first.open.tensor_channel else None
         seqs = [SeqStep(s.seq_id, s.num_computed_tokens, s.num_new) for s in first.open.seqs]
         step = await self._run(self.holder.open_step, seqs, first.open.num_heads)
         async for msg in stream:
             if msg.WhichOneof("part") != "layer":
                 raise InvalidRequest("an AttendStream carries exactly one StepOpen, first")
-            yield await self._run(self._attend_layer, step, msg.layer)
+            if channel is None:
+                yield await self._run(self._attend_layer, step, msg.layer)
+                continue
+            tag = (first.open.step_id, msg.layer.layer)
+            metas = (msg.layer.query, msg.layer.key, msg.layer.value)
+            buffer = await self._on(channel, channel.recv_layer, *tag, metas)  # consumed before anything can fail
+            yield await self._run(self._attend_channel_layer, step, msg.layer, buffer, channel, tag)
 
     def _attend_layer(self, step: ServerStep, msg: pb.LayerInput) -> pb.LayerPartial:
         query = codec.decode_tensor(msg.query, field="query")
@@ -107,6 +127,42 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         codec.encode_tensor(out, reply.partial_out)
         codec.encode_tensor(lse, reply.lse)
         return reply
+
+    def _attend_channel_layer(
+        self, step: ServerStep, msg: pb.LayerInput, buffer, channel: TensorChannel, tag: tuple[int, int]
+    ) -> pb.LayerPartial:  # noqa: ANN001 (buffer: uint8 tensor)
+        """A layer whose q|k|v came on ``channel`` (described by ``msg``'s data-less tensors); the partial
+        goes back on it as lse|partial_out (lse first: fp32 keeps every view aligned)."""
+        fields = ("query", "key", "value")
+        query, key, value = tc.unpack(buffer, (msg.query, msg.key, msg.value), fields)
+        start = time.perf_counter()
+        out, lse = self.holder.attend_layer(step, msg.layer, query, key, value)
+        if self.on_attend_step is not None:
+            self.on_attend_step(time.perf_counter() - start)
+        channel.send(tc.pack([lse, out], channel.device), tc.layer_tag(*tag, tc.TO_COMPUTE))
+        return pb.LayerPartial(
+            layer=msg.layer,
+            partial_out=codec.tensor_meta(out.dtype, out.shape),
+            lse=codec.tensor_meta(lse.dtype, lse.shape),
+        )
+
+    # ---- tensor channels ----------------------------------------------------------------------------
+    def _channels(self) -> TensorChannels:
+        if self.channels is None:
+            raise FailedPrecondition(
+                f"attention server {self.server_id} takes tensors over gRPC only (started with --transport grpc)"
+            )
+        return self.channels
+
+    async def OpenTensorChannel(self, request: pb.OpenTensorChannelRequest, context) -> pb.OpenTensorChannelResponse:
+        channels = self._channels()
+        args = (request.channel_id, request.store_host, request.store_port, request.backend, request.timeout_ms)
+        channel = await asyncio.to_thread(channels.open, *args)  # blocks until the pair's group formed
+        return pb.OpenTensorChannelResponse(device=str(channel.device))
+
+    async def CloseTensorChannel(self, request: pb.CloseTensorChannelRequest, context) -> pb.CloseTensorChannelResponse:
+        await asyncio.to_thread(self._channels().close, request.channel_id)
+        return pb.CloseTensorChannelResponse()
 
     # ---- migration -----------------------------------------------------------------------------------
     async def ExportBlocks(self, request: pb.ExportBlocksRequest, context) -> AsyncIterator[pb.BlockTransferChunk]:

@@ -25,10 +25,11 @@ def loop():
 
 @pytest.fixture
 def make_server(loop):
-    """``make_server(num_blocks, layout)`` -> (server, stub); every server and channel closes at teardown."""
+    """``make_server(num_blocks, layout, server_id, transport)`` -> (server, stub); every server and channel
+    closes at teardown."""
     started, channels = [], []
 
-    def make(num_blocks, layout, server_id="attn-0"):
+    def make(num_blocks, layout, server_id="attn-0", transport="grpc"):
         config = AttentionServerConfig(
             server_id=server_id,
             kv_memory_bytes=num_blocks * layout.bytes_per_block,
@@ -37,6 +38,7 @@ def make_server(loop):
             head_dim=layout.head_dim,
             dtype=str(layout.dtype).removeprefix("torch."),
             block_size=layout.block_size,
+            transport=transport,
         )
         server = loop.run(start(config))
         started.append(server)
@@ -53,11 +55,12 @@ def make_server(loop):
 
 @pytest.fixture
 def make_pair(make_server):
-    """``make_pair(num_blocks, layout, server_id, mirrored=True)`` -> a real server and its local mirror."""
+    """``make_pair(num_blocks, layout, server_id, mirrored=True, transport="grpc")`` -> a real server and its
+    local mirror."""
     from tests.services.attention.helpers import Pair
 
-    def make(num_blocks, layout, server_id="attn-0", mirrored=True):
-        server, stub = make_server(num_blocks, layout, server_id)
+    def make(num_blocks, layout, server_id="attn-0", mirrored=True, transport="grpc"):
+        server, stub = make_server(num_blocks, layout, server_id, transport)
         return Pair(stub, num_blocks, layout, mirrored=mirrored, address=server.address)
 
     return make

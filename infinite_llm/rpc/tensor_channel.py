@@ -1,0 +1,98 @@
+"""Tensor channels: a standalone 2-rank torch.distributed process group per (compute instance, attention
+server) pair, over which the tensors of AttendStream steps travel while gRPC keeps the control.
+
+Both sides build their rank here: the compute instance (rank 0) hosts the rendezvous ``TCPStore``; the
+attention server (rank 1) joins it when asked by ``OpenTensorChannel``. No global ``init_process_group``:
+each pair is its own group (gloo on CPU, NCCL between GPUs), so pairs come and go independently. Bytes
+travel as flat ``uint8`` buffers (one per layer and direction) described by data-less ``Tensor`` messages
+on the stream; tags are unique per (step, layer, direction), so a message of a failed step can never be
+matched by a later one. Source: PyTorch ``distributed_c10d._new_process_group_helper`` (how a group is
+built from a store without the default group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from infinite_llm.rpc import codec
+
+BACKENDS = ("gloo", "nccl")
+TO_SERVER, TO_COMPUTE = 0, 1  # tag directions
+MAX_LAYERS = 1024  # layers a tag can tell apart
+_TAG_STEPS = (1 << 31) // (2 * MAX_LAYERS)  # steps before tags repeat (~1M: far longer than any stale message)
+ACCEPTED = "accepted/"  # store key prefix the server sets once it agreed to join a channel
+
+
+def layer_tag(step_id: int, layer: int, direction: int) -> int:
+    """A non-negative int32 tag, unique per (step modulo ~1M, layer, direction)."""
+    if not 0 <= layer < MAX_LAYERS:
+        raise ValueError(f"layer {layer} out of range for a tensor channel (< {MAX_LAYERS})")
+    return ((step_id % _TAG_STEPS) * MAX_LAYERS + layer) * 2 + direction
+
+
+def host_towards(peer_host: str) -> str:
+    """This machine's address on the route to ``peer_host`` (what the peer can reach us at)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer_host, 9))  # UDP: picks the route, sends nothing
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL between GPUs, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def buffer_device(backend: str, device: torch.device) -> torch.device:
+    """Where a channel's buffers live: the GPU for NCCL, the CPU for gloo."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def pair_group(
+    store: dist.Store, channel_id: str, rank: int, backend: str, host: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """Rank ``rank`` (0: compute, 1: attention server) of the 2-rank group of ``channel_id``; blocks until
+    the other rank joins (at most ``timeout_s`` seconds). ``host``: this side's address for gloo."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore(f"channel/{channel_id}/", store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+    if backend != "gloo":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._threads = 1  # point-to-point only: the worker threads serve collectives
+    return dist.ProcessGroupGloo(prefixed, rank, 2, options)
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One flat ``uint8`` buffer on ``device`` holding each tensor's row-major bytes, in order."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]  # (nbytes_i,)
+    return torch.cat(parts).to(device)
+
+
+def nbytes(metas: Sequence) -> int:  # noqa: ANN001 (tensor_pb2.Tensor)
+    """Bytes of the tensors that data-less ``Tensor`` messages describe (raises ``InvalidRequest``)."""
+    return sum(codec.payload_nbytes(m, field="tensor meta") for m in metas)
+
+
+def unpack(buffer: torch.Tensor, metas: Sequence, fields: Sequence[str]) -> list[torch.Tensor]:  # noqa: ANN001
+    """Views of ``buffer`` (``uint8``, as :func:`pack` made it) as the tensors ``metas`` describe."""
+    out, start = [], 0
+    for meta, field in zip(metas, fields, strict=True):
+        dtype = codec.dtype_from_name(meta.dtype, field=field)
+        size = math.prod(meta.shape) * dtype.itemsize
+        out.append(buffer[start : start + size].view(dtype).view(tuple(meta.shape)))
+        start += size
+    return out

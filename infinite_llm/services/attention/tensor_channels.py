@@ -1,0 +1,173 @@
+"""The attention server's side of tensor channels (``rpc/tensor_channel.py``): rank 1 of each pair's group.
+
+``OpenTensorChannel`` joins a compute instance's group (:meth:`TensorChannels.open`, blocking: call it from
+a thread); AttendStream steps that name a channel receive each layer's q|k|v on it and send the partial
+output back on it (:class:`TensorChannel`). Every receive and send of a channel runs on that channel's own
+thread, so a stalled peer never blocks the rManager's thread nor the event loop. A channel whose bytes may
+be out of step with its peer (a failed receive or send, bytes we could not size) is broken: steps naming it
+are refused with UNAVAILABLE (transient: the compute instance recomputes the step's sequences and opens
+another channel, as after any lost tensor path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound, Unavailable
+from infinite_llm.rpc import tensor_channel as tc
+
+log = logging.getLogger(__name__)
+MAX_TIMEOUT_MS = 10 * 60 * 1000  # a channel's collective timeout is capped at 10 minutes
+MAX_LAYER_BYTES = 1 << 31  # one layer's input larger than 2 GiB is not a step this server could hold
+
+
+class TensorChannel:
+    """Rank 1 of one pair's group. Receives run on the channel's ``thread``; a send is only queued (from
+    the rManager's thread, right after its layer) and waited on before the channel's next receive."""
+
+    def __init__(self, channel_id: str, group: dist.ProcessGroup, store: dist.Store, device: torch.device) -> None:
+        self.channel_id = channel_id
+        self.group, self.store, self.device = group, store, device
+        self.broken = ""  # why the channel may be out of step with its peer ('' while healthy)
+        self._pending: list = []  # send works not yet waited on (their buffers must outlive them)
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"channel-{channel_id[:24]}")
+
+    def recv_layer(self, step_id: int, layer: int, metas) -> torch.Tensor:  # noqa: ANN001 (tensor_pb2.Tensor)
+        """One layer's q|k|v bytes, as described by the data-less ``Tensor`` messages ``metas``. Channel thread.
+
+        Bytes that cannot be sized (a bad dtype name or shape, a layer past the tags) cannot be consumed, so
+        the channel breaks (raises ``InvalidRequest``; later steps on it get ``Unavailable``).
+        """
+        self._check()
+        try:
+            tag = tc.layer_tag(step_id, layer, tc.TO_SERVER)
+            num_bytes = tc.nbytes(metas)
+            if num_bytes > MAX_LAYER_BYTES:
+                raise InvalidRequest(f"a layer of {num_bytes} bytes exceeds {MAX_LAYER_BYTES}")
+        except (InvalidRequest, ValueError) as e:
+            self.broken = f"a layer's bytes could not be sized: {e}"
+            raise InvalidRequest(str(e)) from None
+        return self.recv(num_bytes, tag)
+
+    def recv(self, num_bytes: int, tag: int) -> torch.Tensor:
+        """``num_bytes`` bytes from the compute instance (``uint8`` on the channel's device). Channel thread."""
+        self._check()
+        self._settle()
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)  # (num_bytes,)
+        try:
+            self.group.recv([buffer], 0, tag).wait()
+        except RuntimeError as e:
+            self._break(f"receiving a layer failed: {e}")
+        return buffer
+
+    def send(self, buffer: torch.Tensor, tag: int) -> None:
+        """Queue ``buffer`` (``uint8``) for the compute instance; waited on before the next receive."""
+        self._check()
+        self._pending.append(self.group.send([buffer], 0, tag))
+
+    def _settle(self) -> None:
+        works, self._pending = self._pending, []
+        for work in works:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                self._break(f"sending a partial failed: {e}")
+
+    def _check(self) -> None:
+        if self.broken:
+            raise Unavailable(f"tensor channel {self.channel_id!r} is broken ({self.broken}); open another")
+
+    def _break(self, reason: str) -> None:
+        self.broken = reason
+        raise Unavailable(f"tensor channel {self.channel_id!r} broke: {reason}")
+
+    def close(self) -> None:
+        """Abort what is in flight and free the group. Any thread; never raises."""
+        self.broken = self.broken or "closed"
+        try:
+            self.group.abort()
+        except Exception as e:  # noqa: BLE001 (closing: nothing to do about it)
+            log.debug("closing tensor channel %s: %s", self.channel_id, e)
+        self.thread.shutdown(wait=False)
+
+
+class TensorChannels:
+    """Registry of one attention server's channels, by ``channel_id``. Thread-safe.
+
+    Args:
+        device: where the server keeps its KV; NCCL channels need it to be a GPU.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._channels: dict[str, TensorChannel] = {}
+        self._lock = threading.Lock()
+
+    def open(self, channel_id: str, store_host: str, store_port: int, backend: str, timeout_ms: int) -> TensorChannel:
+        """Join the compute instance's group (rank 1); blocks until formed or ``timeout_ms`` passed.
+
+        Raises ``InvalidRequest`` for a bad request, ``FailedPrecondition`` when the group cannot form.
+        """
+        self._check_request(channel_id, store_port, backend, timeout_ms)
+        timeout_s = timeout_ms / 1000
+        with self._lock:
+            if channel_id in self._channels:
+                raise InvalidRequest(f"tensor channel {channel_id!r} is already open")
+        try:
+            store = dist.TCPStore(store_host, store_port, None, False, datetime.timedelta(seconds=timeout_s))
+            store.set(tc.ACCEPTED + channel_id, "1")  # the compute instance now builds its rank
+            group = tc.pair_group(store, channel_id, 1, backend, tc.host_towards(store_host), timeout_s)
+        except (RuntimeError, ValueError) as e:  # torch raises DistStoreError/DistNetworkError (RuntimeError)
+            raise FailedPrecondition(f"tensor channel {channel_id!r} could not form: {e}") from None
+        channel = TensorChannel(channel_id, group, store, tc.buffer_device(backend, self.device))
+        with self._lock:
+            self._channels[channel_id] = channel
+        log.info("tensor channel %s open (%s, store %s:%d)", channel_id, backend, store_host, store_port)
+        return channel
+
+    def _check_request(self, channel_id: str, store_port: int, backend: str, timeout_ms: int) -> None:
+        if not channel_id:
+            raise InvalidRequest("channel_id must not be empty")
+        if backend not in tc.BACKENDS:
+            raise InvalidRequest(f"backend must be one of {tc.BACKENDS}, got {backend!r}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise FailedPrecondition(
+                f"an nccl tensor channel needs a GPU server; this one keeps its KV on {self.device}"
+            )
+        if not 0 < store_port < 65536:
+            raise InvalidRequest(f"store_port must be in (0, 65536), got {store_port}")
+        if not 0 < timeout_ms <= MAX_TIMEOUT_MS:
+            raise InvalidRequest(f"timeout_ms must be in (0, {MAX_TIMEOUT_MS}], got {timeout_ms}")
+
+    def get(self, channel_id: str) -> TensorChannel:
+        """The open channel ``channel_id``; raises ``Unavailable`` if unknown (e.g. after a restart) or broken."""
+        with self._lock:
+            channel = self._channels.get(channel_id)
+        if channel is None:
+            raise Unavailable(f"no tensor channel {channel_id!r} is open here")
+        channel._check()
+        return channel
+
+    def close(self, channel_id: str) -> None:
+        """Close ``channel_id``; raises ``NotFound`` if it is not open."""
+        with self._lock:
+            channel = self._channels.pop(channel_id, None)
+        if channel is None:
+            raise NotFound(f"no tensor channel {channel_id!r} is open here")
+        channel.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._channels)
