@@ -171,55 +171,91 @@ def _seq_keys(meta: PartialAttentionMetadata, s: int, lo: int, hi: int, n: int, 
     visible = kpos[None, :] <= qpos[:, None]  # (T, S)
     no_key = ~visible.any(dim=1)
     causal = kpos.numel() == qpos.numel() and torch.equal(kpos, qpos)  # positions are unique, so j <= i
-    mask = None if causal else torch.zeros(visible.shape, device=kpos.device).masked_fill_(~visible, -math.inf)
+    mask = None if causal else _additive(visible)
     return _SeqKeys(lo, hi, slots[keep][order], mask, causal, no_key if bool(no_key.any()) else None)
+
+
+def _additive(visible: torch.Tensor) -> torch.Tensor:
+    """Bool visibility -> fp32 additive mask of the same shape (0 visible, -inf hidden)."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
 
 
 def _prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: _SeqKeys, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: ``q [T, H, D]`` over the keys in ``keys`` -> ``(out [T, H, D] fp32, lse [T, H] fp32)``.
-
-    On CPU this is torch's tiled flash-attention kernel (the one behind SDPA, which also returns lse), so the
-    ``[T, S]`` scores are never materialised; elsewhere the plain masked softmax.
-    """
+    """One sequence: ``q [T, H, D]`` over the keys in ``keys`` -> ``(out [T, H, D] fp32, lse [T, H] fp32)``."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
+    g = h // hkv
     k = k_cache.view(-1, hkv, d).index_select(0, keys.slots).float()  # (S, Hkv, D)
     v = v_cache.view(-1, hkv, d).index_select(0, keys.slots).float()
-    if q.device.type != "cpu":
-        mask = keys.mask == 0 if keys.mask is not None else torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        return _masked_attention(q, k, v, mask, scale)
-    g = h // hkv
     qf = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3)  # (Hkv, G, T, D)
     kf = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, g, -1, d)  # (Hkv, G, S, D), no copy over G
     vf = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, g, -1, d)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qf, kf, vf, 0.0, keys.causal, attn_mask=keys.mask, scale=scale
-    )  # (Hkv, G, T, D), (Hkv, G, T) natural log
+    out, lse = _attention_lse(qf, kf, vf, keys.mask, keys.causal, scale)  # (Hkv, G, T, D), (Hkv, G, T)
     out, lse = out.permute(2, 0, 1, 3).reshape(t, h, d), lse.permute(2, 0, 1).reshape(t, h)
-    if keys.no_key is not None:  # the kernel leaves these rows finite; the contract says 0 and -inf
+    if keys.no_key is not None:  # the CPU kernel leaves these rows finite; the contract says 0 and -inf
         out = out.masked_fill(keys.no_key[:, None, None], 0.0)
         lse = lse.masked_fill(keys.no_key[:, None], -math.inf)
     return out, lse
 
 
-def _masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+def _attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: ``q [T, H, D]``, ``k, v [S, Hkv, D]``, ``mask [T, S]`` bool -> ``(out [T, H, D], lse [T, H])``."""
-    t, h, d = q.shape
-    hkv = k.shape[1]
-    g = h // hkv
-    qf = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3)  # (Hkv, G, T, D)
-    kf = k.float().permute(1, 2, 0)  # (Hkv, D, S)
-    vf = v.float().permute(1, 0, 2)  # (Hkv, S, D)
-    scores = torch.matmul(qf, kf.unsqueeze(1)) * scale  # (Hkv, G, T, S)
-    scores = scores.masked_fill(~mask, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)  # (Hkv, G, T); -inf where no key is visible
+    """``q [B, H, T, D]``, ``k, v [B, H, S, D]`` fp32 (strided views are fine), ``mask`` fp32 additive,
+    broadcastable to ``[B, H, T, S]``, or None; ``causal``: key ``j`` visible to query ``i`` iff ``j <= i``.
+
+    Returns ``(out [B, H, T, D], lse [B, H, T])`` fp32, natural log. On CPU this is torch's tiled
+    flash-attention kernel (the one behind SDPA; it also returns lse), so no ``[T, S]`` scores are
+    materialised; elsewhere the plain masked softmax. Rows with no visible key are the caller's to fix.
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    return _softmax_lse(q, k, v, mask, causal, scale)
+
+
+def _softmax_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_attention_lse` by the textbook formula, materialising ``scores [B, H, T, S]`` (any device)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, T, S)
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), -math.inf)
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, T); -inf where no key is visible
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.matmul(probs, vf.unsqueeze(1))  # (Hkv, G, T, D)
-    return out.permute(2, 0, 1, 3).reshape(t, h, d), lse.permute(2, 0, 1).reshape(t, h)
+    return torch.matmul(probs, v), lse
+
+
+@dataclass(frozen=True)
+class _DecodeKeys:
+    """Decode step (one query per sequence), padded to the longest: ``slots [num_seqs, L]`` int64 flat pool
+    slots (0 where padding), ``mask [num_seqs, 1, 1, L]`` fp32 additive, ``no_key [num_seqs]`` bool or None."""
+
+    slots: torch.Tensor
+    mask: torch.Tensor
+    no_key: torch.Tensor | None
+
+
+def _decode_keys(meta: PartialAttentionMetadata, block_size: int) -> _DecodeKeys:
+    """:class:`_DecodeKeys` of a decode step, cached on ``meta`` for later layers."""
+    key = ("decode", block_size)
+    if key not in meta.cache:
+        max_blocks = meta.block_ids.shape[1]
+        valid_block = torch.arange(max_blocks, device=meta.block_ids.device)[None, :] < meta.num_blocks[:, None]
+        offsets = torch.arange(block_size, device=meta.block_ids.device)
+        slots = (torch.where(valid_block, meta.block_ids, 0)[:, :, None] * block_size + offsets).flatten(1)  # (S, L)
+        kpos = (meta.block_indices[:, :, None] * block_size + offsets).flatten(1)  # (S, L)
+        visible = valid_block.repeat_interleave(block_size, dim=1)
+        visible &= (kpos <= meta.query_positions[:, None]) & (kpos < meta.context_lens[:, None])
+        no_key = ~visible.any(dim=1)
+        mask = _additive(visible)[:, None, None, :]  # (S, 1, 1, L)
+        meta.cache[key] = _DecodeKeys(slots, mask, no_key if bool(no_key.any()) else None)
+    return meta.cache[key]
 
 
 def _decode_batched(
@@ -231,29 +267,29 @@ def _decode_batched(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    """One query per sequence: gather every sequence's blocks into one padded batch (no Python loop)."""
+    """One query per sequence: every sequence's keys gathered into one padded batch (no Python loop).
+
+    GQA without copying K/V: the ``G`` query heads that share a KV head take the place of the query-length
+    axis, ``q [S, Hkv, G, D]`` against ``k [S, Hkv, L, D]``; they all see the same keys.
+    """
     num_seqs, max_blocks = meta.block_ids.shape
     if max_blocks == 0:
         return
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    num_heads = query.shape[1]
-    g = num_heads // num_kv_heads
-    valid_block = torch.arange(max_blocks, device=query.device)[None, :] < meta.num_blocks[:, None]
-    ids = torch.where(valid_block, meta.block_ids, 0)
-    k = k_cache[ids].flatten(1, 2).float()  # (S, B*bs, Hkv, D)
-    v = v_cache[ids].flatten(1, 2).float()
-    offsets = torch.arange(block_size, device=query.device)
-    kpos = (meta.block_indices[:, :, None] * block_size + offsets).flatten(1)  # (S, B*bs)
-    key_ok = valid_block.repeat_interleave(block_size, dim=1)
-    key_ok &= (kpos <= meta.query_positions[:, None]) & (kpos < meta.context_lens[:, None])
-    q = query.float().view(num_seqs, num_kv_heads, g, head_dim)  # (S, Hkv, G, D)
-    scores = torch.einsum("skgd,snkd->skgn", q, k) * scale  # (S, Hkv, G, B*bs)
-    scores = scores.masked_fill(~key_ok[:, None, None, :], -math.inf)
-    seq_lse = torch.logsumexp(scores, dim=-1)  # (S, Hkv, G)
-    probs = torch.exp(scores - torch.where(torch.isinf(seq_lse), 0.0, seq_lse).unsqueeze(-1))
-    seq_out = torch.einsum("skgn,snkd->skgd", probs, v)  # (S, Hkv, G, D)
-    out.copy_(seq_out.reshape(num_seqs, num_heads, head_dim))
-    lse.copy_(seq_lse.reshape(num_seqs, num_heads))
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    keys = _decode_keys(meta, k_cache.shape[1])
+    length = keys.slots.shape[1]
+    flat = keys.slots.flatten()
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat).float()  # (S*L, Hkv, D)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat).float()
+    k = k.view(num_seqs, length, num_kv_heads, head_dim).permute(0, 2, 1, 3)  # (S, Hkv, L, D)
+    v = v.view(num_seqs, length, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    q = query.float().view(num_seqs, num_kv_heads, -1, head_dim)  # (S, Hkv, G, D)
+    seq_out, seq_lse = _attention_lse(q, k, v, keys.mask, False, scale)  # (S, Hkv, G, D), (S, Hkv, G)
+    out.copy_(seq_out.reshape(out.shape))
+    lse.copy_(seq_lse.reshape(lse.shape))
+    if keys.no_key is not None:  # the CPU kernel leaves these rows finite; the contract says 0 and -inf
+        out[keys.no_key] = 0.0
+        lse[keys.no_key] = -math.inf
 
 
 def _decode_chunked(
