@@ -5,8 +5,10 @@ here and knows nothing about where KV lives: every layer hands ``(q, k, v)`` of 
 ``attention`` callable and gets the attention output back (DESIGN.md §3). The single-process engine passes
 DistAttention over local partitions; a compute instance passes a fan-out to attention servers.
 
-Parameter names equal HF ``LlamaForCausalLM`` so checkpoints load by name (Llama 2/3, Mistral, Qwen2 with
-q/k/v bias, SmolLM2). Reference: HF transformers ``modeling_llama.py``; gpt-fast ``model.py``.
+Checkpoints load by HF ``LlamaForCausalLM`` names (Llama 2/3, Mistral, Qwen2 with q/k/v bias, SmolLM2) through
+:meth:`LlamaForCausalLM.load_state_dict_hf`, which concatenates ``q/k/v_proj`` into one ``qkv_proj`` and
+``gate/up_proj`` into one ``gate_up_proj`` (one matmul each instead of three and two; vLLM does the same).
+Reference: HF transformers ``modeling_llama.py``; gpt-fast ``model.py``; vLLM ``QKVParallelLinear``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from infinite_llm.core.config import ModelConfig, RopeScaling
 # attention(layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, H, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+# fused parameter (suffix of a layer's name) -> the HF parameters concatenated into it, in output-row order
+FUSED_HF_NAMES = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in fp32 then cast back (as HF ``LlamaRMSNorm``)."""
@@ -32,6 +40,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; bit-identical to the three-step form below in fp32
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -58,10 +68,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]`` (HF rotate_half convention)."""
+    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]`` (HF rotate_half convention).
+
+    ``x`` may be a strided view (q and k heads of the fused projection); the result is contiguous. Since both
+    halves of ``cos``/``sin`` are equal, ``x * cos + rotate_half(x) * sin`` is written half by half, without
+    materialising ``rotate_half(x)``: ``[x1*c - x2*s, x2*c + x1*s]``.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    c, s = cos[:, None, :half], sin[:, None, :half]  # (T, 1, D/2)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=out[..., half:]).addcmul_(x1, s)
+    return out
 
 
 class Attention(nn.Module):
@@ -75,35 +94,34 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        qkv_heads = self.num_heads + 2 * self.num_kv_heads
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
         self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)  # (T, H, D)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        h, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)  # (T, H + 2*Hkv, D)
+        qk = apply_rope(qkv[:, : h + hkv], cos, sin)  # (T, H + Hkv, D): RoPE on q and k in one pass
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
         out = attention(layer_idx, q, k, v)
         assert out.shape == q.shape, f"attention returned {tuple(out.shape)}, expected {tuple(q.shape)}"
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, h * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matmul."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
+        return self.down_proj(nn.functional.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -179,12 +197,47 @@ class LlamaForCausalLM(nn.Module):
         return torch.nn.functional.linear(h, weight).float()
 
     def load_state_dict_hf(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights; raises ``ValueError`` listing missing or unexpected names."""
+        """Load HF-named weights, fusing q/k/v and gate/up (see :data:`FUSED_HF_NAMES`).
+
+        Raises ``ValueError`` listing missing or unexpected HF names.
+        """
         if self.lm_head is None:
             state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-        result = self.load_state_dict(state_dict, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ValueError(
-                f"checkpoint does not fit the model: missing {result.missing_keys[:5]}, "
-                f"unexpected {result.unexpected_keys[:5]}"
-            )
+        want = set(self.hf_parameter_names())
+        missing, unexpected = sorted(want - set(state_dict)), sorted(set(state_dict) - want)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        result = self.load_state_dict(fuse_hf_state_dict(state_dict), strict=False)
+        assert not result.missing_keys and not result.unexpected_keys, result
+
+    def hf_parameter_names(self) -> list[str]:
+        """HF names of every parameter this model loads (fused parameters expanded to their parts)."""
+        names = []
+        for name in self.state_dict():
+            layer, _, leaf = name.rpartition(".")  # leaf: weight or bias
+            fused = next((f for f in FUSED_HF_NAMES if layer.endswith(f)), None)
+            if fused is None:
+                names.append(name)
+                continue
+            prefix = layer[: -len(fused)]
+            names.extend(f"{prefix}{part}.{leaf}" for part in FUSED_HF_NAMES[fused])
+        return names
+
+
+def fuse_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> this model's names: the parts of each fused parameter concatenated along dim 0 (rows).
+
+    Names outside :data:`FUSED_HF_NAMES` pass through; a fused parameter whose parts are incomplete is left
+    unfused (so the caller reports the HF names).
+    """
+    out = dict(state_dict)
+    for name in state_dict:
+        for fused, parts in FUSED_HF_NAMES.items():
+            layer, _, leaf = name.rpartition(".")
+            if not layer.endswith(parts[0]):
+                continue
+            prefix = layer[: -len(parts[0])]
+            names = [f"{prefix}{p}.{leaf}" for p in parts]
+            if all(n in state_dict for n in names):
+                out[f"{prefix}{fused}.{leaf}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
