@@ -68,6 +68,11 @@ def test_router_rejects_bad_prompts(mesh):
         assert c.generate("hello", max_tokens=2, temperature=0).finish_reason == "length"
 
 
+def _stream_code(stub, messages) -> grpc.StatusCode:  # noqa: ANN001
+    """Status of an AttendStream that sends ``messages`` and half-closes."""
+    return _code(lambda timeout: list(stub.AttendStream(iter(messages), timeout=timeout)))
+
+
 def _code(fn, *args) -> grpc.StatusCode:
     try:
         fn(*args, timeout=10)
@@ -80,24 +85,18 @@ def test_attention_server_rejects_malformed_tensors_and_unknown_sequences(mesh):
     address = mesh.attention_servers()[0].address
     with grpc.insecure_channel(address) as ch:
         stub = agrpc.AttentionServerStub(ch)
-        bad_dtype = apb.AttendStepRequest(
-            layer=0,
-            seqs=[
-                apb.SeqAttend(
-                    seq_id="nope", query=tpb.Tensor(dtype="complex7", shape=[1, 9, 64], data=b""), context_len=1
-                )
-            ],
+        opening = apb.AttendStreamRequest(
+            open=apb.StepOpen(step_id=1, num_heads=9, seqs=[apb.StepSeq(seq_id="nope", num_new=1)])
         )
-        assert _code(stub.AttendStep, bad_dtype) == grpc.StatusCode.INVALID_ARGUMENT
-        short = apb.AttendStepRequest(
-            layer=0,
-            seqs=[
-                apb.SeqAttend(
-                    seq_id="nope", query=tpb.Tensor(dtype="float32", shape=[1, 9, 64], data=b"\0" * 12), context_len=1
-                )
-            ],
+        assert _stream_code(stub, [opening]) == grpc.StatusCode.NOT_FOUND  # the step names an unknown sequence
+        bad_dtype = apb.AttendStreamRequest(
+            layer=apb.LayerInput(layer=0, query=tpb.Tensor(dtype="complex7", shape=[1, 9, 64], data=b""))
         )
-        assert _code(stub.AttendStep, short) == grpc.StatusCode.INVALID_ARGUMENT
+        assert _stream_code(stub, [bad_dtype]) == grpc.StatusCode.INVALID_ARGUMENT  # no StepOpen first
+        no_heads = apb.AttendStreamRequest(
+            open=apb.StepOpen(step_id=1, num_heads=0, seqs=[apb.StepSeq(seq_id="x", num_new=1)])
+        )
+        assert _stream_code(stub, [no_heads]) == grpc.StatusCode.INVALID_ARGUMENT
         assert _code(stub.CommitBlocks, apb.CommitBlocksRequest(reservation_id=987654)) == grpc.StatusCode.NOT_FOUND
         assert (
             _code(stub.ReserveBlocks, apb.ReserveBlocksRequest(seq_id="x", num_blocks=10**6))

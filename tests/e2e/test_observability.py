@@ -135,4 +135,4 @@ def test_one_trace_follows_a_request_through_every_hop(traced_mesh):
     assert len(full) == 1, {t: by_trace[t] for t in gateway_traces}
     names = {s["name"] for s in spans if s["trace_id"] == full[0]}
     assert "engine.step" in names
-    assert any("AttendStep" in n for n in names) and any("Place" in n for n in names)
+    assert any("AttendStream" in n for n in names) and any("Place" in n for n in names)

@@ -149,7 +149,7 @@ def test_one_trace_id_across_every_hop_in_memory(exporter, default_weights, tmp_
         "/infinite_llm.v1.Router/Generate",
         "/infinite_llm.v1.ComputeInstance/Generate",
         "engine.step",
-        "/infinite_llm.v1.AttentionServer/AttendStep",
+        "/infinite_llm.v1.AttentionServer/AttendStream",
         "/infinite_llm.v1.GlobalManager/Place",
     )
     for hop in hops:  # the router's hop is Generate or GenerateStream

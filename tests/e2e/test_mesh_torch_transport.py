@@ -1,0 +1,76 @@
+"""The local mesh with ``transport="torch"``: attention tensors on gloo tensor channels (gRPC keeps the
+control), greedy output equal to the single-process engine, KV spread over all 3 attention servers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from infinite_llm.client import Client
+from infinite_llm.core.sampling import SamplingParams
+from infinite_llm.mesh import LocalMesh, MeshConfig
+from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, BYTES_PER_BLOCK, _free_port, all_blocks_free, wait_until
+
+TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
+GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def torch_mesh(default_model_path):
+    config = MeshConfig(
+        attention_servers=3,
+        compute_instances=1,
+        kv_memory_bytes=BLOCKS_PER_SERVER * BYTES_PER_BLOCK,
+        router_port=_free_port(),
+        block_size=BLOCK_SIZE,
+        member_ttl_s=3,
+        max_num_batched_tokens=256,
+        gateway_port=_free_port(),
+        transport="torch",
+    )
+    with LocalMesh(config) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def client(torch_mesh):
+    with Client(torch_mesh.router_address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def local(make_engine):
+    return make_engine(num_kv_blocks=512)
+
+
+def _log(mesh: LocalMesh, name: str) -> str:
+    return (mesh.log_dir / f"{name}.log").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("num_tokens", [9 * BLOCK_SIZE - 1, 13 * BLOCK_SIZE + 1, 20 * BLOCK_SIZE])
+def test_greedy_over_tensor_channels_equals_the_single_process_engine(client, local, torch_mesh, num_tokens):
+    ids = local.tokenizer.encode(TEXT)[:num_tokens]
+    out = client.generate(ids, **GREEDY)
+    ref = local.generate([ids], SamplingParams(**GREEDY))[0]
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    assert sum(out.placement.values()) == -(-(num_tokens + 12) // BLOCK_SIZE)
+    assert len(out.placement) == (3 if num_tokens > 2 * BLOCKS_PER_SERVER * BLOCK_SIZE else len(out.placement))
+    assert wait_until(lambda: all_blocks_free(torch_mesh))
+
+
+def test_concurrent_requests_over_tensor_channels_equal_the_single_process_engine(client, local, torch_mesh):
+    prompts = [local.tokenizer.encode(TEXT)[:n] for n in (15, 17, 33, 64)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: client.generate(p, **GREEDY), prompts))
+    refs = local.generate(prompts, SamplingParams(**GREEDY))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert wait_until(lambda: all_blocks_free(torch_mesh))
+
+
+def test_every_pair_formed_a_tensor_channel_and_none_fell_back(client, torch_mesh):
+    client.generate("Hello", max_tokens=2, temperature=0)  # a step on at least one server
+    compute = _log(torch_mesh, "compute-0")
+    assert "tensor channel" in compute and "tensors travel over gRPC" not in compute
+    opened = [p.name for p in torch_mesh.attention_servers() if "tensor channel" in _log(torch_mesh, p.name)]
+    assert opened == ["attn-0", "attn-1", "attn-2"]  # the earlier tests placed rBlocks on each of them
