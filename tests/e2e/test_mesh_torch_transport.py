@@ -13,7 +13,7 @@ from infinite_llm.mesh import LocalMesh, MeshConfig
 from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, BYTES_PER_BLOCK, _free_port, all_blocks_free, wait_until
 
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
-GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
+GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +48,20 @@ def _log(mesh: LocalMesh, name: str) -> str:
     return (mesh.log_dir / f"{name}.log").read_text(encoding="utf-8")
 
 
-@pytest.mark.parametrize("num_tokens", [9 * BLOCK_SIZE - 1, 13 * BLOCK_SIZE + 1, 20 * BLOCK_SIZE])
+@pytest.mark.parametrize("num_tokens", [13 * BLOCK_SIZE + 1, 20 * BLOCK_SIZE])  # 2 servers, then all 3
 def test_greedy_over_tensor_channels_equals_the_single_process_engine(client, local, torch_mesh, num_tokens):
     ids = local.tokenizer.encode(TEXT)[:num_tokens]
     out = client.generate(ids, **GREEDY)
     ref = local.generate([ids], SamplingParams(**GREEDY))[0]
     assert out.token_ids == ref.token_ids and out.text == ref.text
-    assert sum(out.placement.values()) == -(-(num_tokens + 12) // BLOCK_SIZE)
-    assert len(out.placement) == (3 if num_tokens > 2 * BLOCKS_PER_SERVER * BLOCK_SIZE else len(out.placement))
+    assert sum(out.placement.values()) == -(-(num_tokens + 8) // BLOCK_SIZE)
+    assert len(out.placement) >= (3 if num_tokens > 2 * BLOCKS_PER_SERVER * BLOCK_SIZE else 2)
     assert wait_until(lambda: all_blocks_free(torch_mesh))
 
 
 def test_concurrent_requests_over_tensor_channels_equal_the_single_process_engine(client, local, torch_mesh):
-    prompts = [local.tokenizer.encode(TEXT)[:n] for n in (15, 17, 33, 64)]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    prompts = [local.tokenizer.encode(TEXT)[:n] for n in (15, 17, 33)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda p: client.generate(p, **GREEDY), prompts))
     refs = local.generate(prompts, SamplingParams(**GREEDY))
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]

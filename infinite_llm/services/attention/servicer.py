@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound
 from infinite_llm.core.rmanager import SeqStep
@@ -129,10 +131,10 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         return reply
 
     def _attend_channel_layer(
-        self, step: ServerStep, msg: pb.LayerInput, buffer, channel: TensorChannel, tag: tuple[int, int]
-    ) -> pb.LayerPartial:  # noqa: ANN001 (buffer: uint8 tensor)
-        """A layer whose q|k|v came on ``channel`` (described by ``msg``'s data-less tensors); the partial
-        goes back on it as lse|partial_out (lse first: fp32 keeps every view aligned)."""
+        self, step: ServerStep, msg: pb.LayerInput, buffer: torch.Tensor, channel: TensorChannel, tag: tuple[int, int]
+    ) -> pb.LayerPartial:
+        """A layer whose q|k|v came on ``channel`` (``buffer``: uint8, described by ``msg``'s data-less
+        tensors); the partial goes back on it as lse|partial_out (lse first: fp32 keeps every view aligned)."""
         fields = ("query", "key", "value")
         query, key, value = tc.unpack(buffer, (msg.query, msg.key, msg.value), fields)
         start = time.perf_counter()
