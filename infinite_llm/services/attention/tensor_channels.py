@@ -123,7 +123,7 @@ class TensorChannels:
             store = dist.TCPStore(store_host, store_port, None, False, datetime.timedelta(seconds=timeout_s))
             store.set(tc.ACCEPTED + channel_id, "1")  # the compute instance now builds its rank
             group = tc.pair_group(store, channel_id, 1, backend, tc.host_towards(store_host), timeout_s)
-        except (RuntimeError, ValueError) as e:  # torch raises DistStoreError/DistNetworkError (RuntimeError)
+        except (RuntimeError, ValueError, AttributeError) as e:  # DistStoreError/DistNetworkError; no NCCL built
             raise FailedPrecondition(f"tensor channel {channel_id!r} could not form: {e}") from None
         channel = TensorChannel(channel_id, group, store, tc.buffer_device(backend, self.device))
         with self._lock:

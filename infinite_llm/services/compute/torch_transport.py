@@ -179,7 +179,7 @@ class TorchTransport(GrpcTransport):
             self._retire(server, channel)
         try:
             channel = self._open(server, address)
-        except (grpc.RpcError, RuntimeError, ValueError, TimeoutError) as e:
+        except (grpc.RpcError, RuntimeError, ValueError, TimeoutError, AttributeError) as e:
             reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)  # type: ignore[attr-defined]
             self.fallbacks[server] = (address, reason)
             log.warning(
