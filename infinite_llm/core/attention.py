@@ -133,14 +133,16 @@ def partial_attention(
 class _SeqKeys:
     """The keys one sequence's queries read in a prefill step; computed once per step, reused by every layer.
 
-    ``slots [S]`` int64 flat pool slots (``block_id * block_size + offset``) of the keys, in position order,
-    only those visible to at least one query. ``mask [T, S]`` fp32 additive (0 visible, -inf hidden), or None
-    when ``causal`` (key ``j`` visible to query ``i`` iff ``j <= i``). ``no_key [T]`` bool marks queries that
-    see no key (None when every query sees one).
+    Keys come in two parts, each as flat pool slots (``block_id * block_size + offset``) in position order:
+    ``prefix_slots [P]`` are visible to every query (no mask; in a prefill chunk, the earlier chunks), and
+    ``slots [S]`` the rest that at least one query sees. For the rest, ``mask [T, S]`` is fp32 additive
+    (0 visible, -inf hidden), or None when ``causal`` (key ``j`` visible to query ``i`` iff ``j <= i``: the
+    chunk's own tokens); ``no_key [T]`` bool marks queries that see none of them (None when all see one).
     """
 
     query_lo: int
     query_hi: int
+    prefix_slots: torch.Tensor
     slots: torch.Tensor
     mask: torch.Tensor | None
     causal: bool
@@ -165,14 +167,18 @@ def _seq_keys(meta: PartialAttentionMetadata, s: int, lo: int, hi: int, n: int, 
     slots = (meta.block_ids[s, :n, None] * block_size + offsets).flatten()
     qpos = meta.query_positions[lo:hi]  # (T,)
     keep = (kpos < meta.context_lens[s]) & (kpos <= qpos.max())
-    kpos, order = kpos[keep].sort()  # (S,)
+    kpos, order = kpos[keep].sort()  # (P + S,)
     if kpos.numel() == 0:
         return None
+    slots = slots[keep][order]
+    num_prefix = int((kpos < qpos.min()).sum())  # sorted, so these lead; each query sees them all
+    kpos = kpos[num_prefix:]
     visible = kpos[None, :] <= qpos[:, None]  # (T, S)
     no_key = ~visible.any(dim=1)
     causal = kpos.numel() == qpos.numel() and torch.equal(kpos, qpos)  # positions are unique, so j <= i
     mask = None if causal else _additive(visible)
-    return _SeqKeys(lo, hi, slots[keep][order], mask, causal, no_key if bool(no_key.any()) else None)
+    no_key = no_key if bool(no_key.any()) else None
+    return _SeqKeys(lo, hi, slots[:num_prefix], slots[num_prefix:], mask, causal, no_key)
 
 
 def _additive(visible: torch.Tensor) -> torch.Tensor:
@@ -183,21 +189,45 @@ def _additive(visible: torch.Tensor) -> torch.Tensor:
 def _prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: _SeqKeys, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: ``q [T, H, D]`` over the keys in ``keys`` -> ``(out [T, H, D] fp32, lse [T, H] fp32)``."""
+    """One sequence: ``q [T, H, D]`` over the keys in ``keys`` -> ``(out [T, H, D] fp32, lse [T, H] fp32)``.
+
+    The unmasked prefix and the masked (or causal) rest are two kernel calls, merged exactly: a mask costs
+    a read per score, and a causal call skips the hidden half of the chunk's own tokens.
+    """
+    parts = []
+    if keys.prefix_slots.numel():
+        parts.append(_attention_over(q, k_cache, v_cache, keys.prefix_slots, None, False, scale))
+    if keys.slots.numel():
+        out, lse = _attention_over(q, k_cache, v_cache, keys.slots, keys.mask, keys.causal, scale)
+        if keys.no_key is not None:  # the CPU kernel leaves these rows finite; the contract says 0 and -inf
+            out = out.masked_fill(keys.no_key[:, None, None], 0.0)
+            lse = lse.masked_fill(keys.no_key[:, None], -math.inf)
+        parts.append((out, lse))
+    if len(parts) == 1:
+        return parts[0]
+    return merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+
+
+def _attention_over(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, H, D]`` over the keys at flat pool ``slots [S]`` -> ``(out [T, H, D], lse [T, H])`` fp32."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
-    k = k_cache.view(-1, hkv, d).index_select(0, keys.slots).float()  # (S, Hkv, D)
-    v = v_cache.view(-1, hkv, d).index_select(0, keys.slots).float()
+    k = k_cache.view(-1, hkv, d).index_select(0, slots).float()  # (S, Hkv, D)
+    v = v_cache.view(-1, hkv, d).index_select(0, slots).float()
     qf = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3)  # (Hkv, G, T, D)
     kf = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, g, -1, d)  # (Hkv, G, S, D), no copy over G
     vf = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, g, -1, d)
-    out, lse = _attention_lse(qf, kf, vf, keys.mask, keys.causal, scale)  # (Hkv, G, T, D), (Hkv, G, T)
-    out, lse = out.permute(2, 0, 1, 3).reshape(t, h, d), lse.permute(2, 0, 1).reshape(t, h)
-    if keys.no_key is not None:  # the CPU kernel leaves these rows finite; the contract says 0 and -inf
-        out = out.masked_fill(keys.no_key[:, None, None], 0.0)
-        lse = lse.masked_fill(keys.no_key[:, None], -math.inf)
-    return out, lse
+    out, lse = _attention_lse(qf, kf, vf, mask, causal, scale)  # (Hkv, G, T, D), (Hkv, G, T)
+    return out.permute(2, 0, 1, 3).reshape(t, h, d), lse.permute(2, 0, 1).reshape(t, h)
 
 
 def _attention_lse(

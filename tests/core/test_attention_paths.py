@@ -83,3 +83,10 @@ def test_queries_before_every_key_of_a_part_get_zero_and_minus_inf():
     out, lse = partial_attention(torch.randn(6, 2, 8), k_cache, k_cache.clone(), meta)
     assert torch.equal(out[:2], torch.zeros_like(out[:2])) and bool(torch.isneginf(lse[:2]).all())
     assert torch.isfinite(lse[2:]).all() and not math.isnan(float(out.sum()))
+
+
+def test_a_prefill_chunk_reads_earlier_chunks_unmasked_and_its_own_tokens_causally():
+    """Chunk of positions 6..10 over 11 keys: keys 0..5 need no mask, keys 6..10 are a causal square."""
+    _, _, meta = _pool_meta(5, 11)
+    (keys,) = attention._prefill_keys(meta, 4)
+    assert (keys.prefix_slots.numel(), keys.slots.numel(), keys.causal, keys.mask) == (6, 5, True, None)
