@@ -6,7 +6,7 @@ import torch
 
 from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
 from infinite_llm.core.sampling import SamplingParams
-from infinite_llm.services.attention.holder import AttentionHolder
+from infinite_llm.services.attention.served_rmanager import ServedRManager
 from tests.device_guard import PACKAGE, DeviceGuard
 
 
@@ -23,7 +23,7 @@ def test_engine_steps_create_every_tensor_on_an_explicit_device(make_engine):
 
 def test_an_attention_server_step_creates_every_tensor_on_an_explicit_device():
     layout = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
-    holder = AttentionHolder(RManager(8, layout))
+    holder = ServedRManager(RManager(8, layout))
     r = holder.reserve("s", 3)
     holder.commit(r.reservation_id, [0, 1, 2])
     q, kv = torch.randn(6, 4, 8), torch.randn(6, 2, 8)

@@ -4,7 +4,7 @@
 reservations, validation, migration) -> ``core.rmanager.RManager``.
 """
 
-from infinite_llm.services.attention.holder import AttentionHolder
+from infinite_llm.services.attention.served_rmanager import ServedRManager
 from infinite_llm.services.attention.server import AttentionServer, AttentionServerConfig, main, serve, start
 
-__all__ = ["AttentionHolder", "AttentionServer", "AttentionServerConfig", "main", "serve", "start"]
+__all__ = ["ServedRManager", "AttentionServer", "AttentionServerConfig", "main", "serve", "start"]

@@ -23,8 +23,8 @@ from infinite_llm.rpc import codec
 from infinite_llm.rpc.options import DEFAULT_GRACE_S
 from infinite_llm.rpc.server import RpcServer, Service, start_server
 from infinite_llm.rpc.sizes import format_size
-from infinite_llm.services.attention.holder import AttentionHolder
 from infinite_llm.services.attention.registrar import Registrar
+from infinite_llm.services.attention.served_rmanager import ServedRManager
 from infinite_llm.services.attention.servicer import AttentionServicer
 from infinite_llm.services.attention.tensor_channels import TensorChannels
 
@@ -124,7 +124,7 @@ class AttentionServer:
 
 async def start(config: AttentionServerConfig) -> AttentionServer:
     """Allocate the KV memory and start serving; returns once the port is bound and SERVING."""
-    holder = AttentionHolder.with_capacity(config.kv_memory_bytes, config.layout, device=config.device)
+    holder = ServedRManager.with_capacity(config.kv_memory_bytes, config.layout, device=config.device)
     channels = TensorChannels(config.device) if config.transport == "torch" else None
     servicer = AttentionServicer(holder, config.server_id, channels)
     service = Service.of(

@@ -25,7 +25,7 @@ from infinite_llm.pb.v1 import attention_server_pb2_grpc as pb_grpc
 from infinite_llm.pb.v1 import tensor_pb2
 from infinite_llm.rpc import codec
 from infinite_llm.rpc import tensor_channel as tc
-from infinite_llm.services.attention.holder import AttentionHolder
+from infinite_llm.services.attention.served_rmanager import ServedRManager
 from infinite_llm.services.attention.tensor_channels import TensorChannel, TensorChannels
 from infinite_llm.services.attention.types import ServerStep
 
@@ -34,12 +34,12 @@ MAX_CHUNK_BYTES = 16 << 20  # an export chunk larger than this defeats the point
 
 
 class AttentionServicer(pb_grpc.AttentionServerServicer):
-    """Serves one :class:`AttentionHolder`. Call :meth:`close` after the server stopped.
+    """Serves one :class:`ServedRManager`. Call :meth:`close` after the server stopped.
 
     ``channels``: the tensor channels this server accepts (``None``: tensors travel in the stream only).
     """
 
-    def __init__(self, holder: AttentionHolder, server_id: str, channels: TensorChannels | None = None) -> None:
+    def __init__(self, holder: ServedRManager, server_id: str, channels: TensorChannels | None = None) -> None:
         self.on_attend_step: Callable[[float], None] | None = None  # seconds per AttendStep (metrics)
         self.holder = holder
         self.server_id = server_id

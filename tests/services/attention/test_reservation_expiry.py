@@ -1,14 +1,14 @@
 """Orphaned reservations (the manager died between reserve and commit) expire instead of leaking rBlocks."""
 
 from infinite_llm.core.rmanager import KVLayout, RManager
-from infinite_llm.services.attention.holder import AttentionHolder
+from infinite_llm.services.attention.served_rmanager import ServedRManager
 
 LAYOUT = KVLayout(num_layers=1, block_size=4, num_kv_heads=1, head_dim=4)
 
 
 def test_reservation_older_than_the_ttl_is_cancelled_on_the_next_reserve():
     now = [100.0]
-    holder = AttentionHolder(RManager(6, LAYOUT), reservation_ttl_s=30.0, clock=lambda: now[0])
+    holder = ServedRManager(RManager(6, LAYOUT), reservation_ttl_s=30.0, clock=lambda: now[0])
     orphan = holder.reserve("a", 4)
     now[0] += 10.0
     kept = holder.reserve("b", 1)
@@ -23,7 +23,7 @@ def test_reservation_older_than_the_ttl_is_cancelled_on_the_next_reserve():
 
 def test_committed_blocks_never_expire():
     now = [0.0]
-    holder = AttentionHolder(RManager(4, LAYOUT), reservation_ttl_s=1.0, clock=lambda: now[0])
+    holder = ServedRManager(RManager(4, LAYOUT), reservation_ttl_s=1.0, clock=lambda: now[0])
     r = holder.reserve("a", 2)
     holder.commit(r.reservation_id, [0, 1])
     now[0] += 100.0

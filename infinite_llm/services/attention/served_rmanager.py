@@ -1,4 +1,4 @@
-"""AttentionHolder: one attention server's RManager plus what serving it remotely adds.
+"""ServedRManager: the RManager of one attention server, plus what serving it remotely adds.
 
 The servicer's only neighbour below: it keeps the ledger of open reservations (which sequence, which
 blocks) so imports can land in them, validates remote input (``validation.py``) before anything changes,
@@ -22,7 +22,7 @@ from infinite_llm.services.attention.validation import check_layer, check_payloa
 RESERVATION_TTL_S = 60.0  # an uncommitted reservation older than this was orphaned (seconds)
 
 
-class AttentionHolder:
+class ServedRManager:
     """rBlocks of one server: reservations, AttendStep, export/import, stats.
 
     Raises (every method): ``InvalidRequest``, ``NotFound``, ``CapacityExhausted`` as documented by
@@ -43,7 +43,7 @@ class AttentionHolder:
         self._clock = clock
 
     @classmethod
-    def with_capacity(cls, kv_memory_bytes: int, layout: KVLayout, device: str = "cpu") -> AttentionHolder:
+    def with_capacity(cls, kv_memory_bytes: int, layout: KVLayout, device: str = "cpu") -> ServedRManager:
         """A holder with as many rBlocks as fit in ``kv_memory_bytes`` (bytes) on ``device``, computing with
         the kernels dispatcher (Triton on CUDA, the torch reference on CPU)."""
         from infinite_llm.kernels import partial_attention
