@@ -22,9 +22,9 @@ BLOCKS_PER_SERVER = 8
 BYTES_PER_BLOCK = KVLayout(30, BLOCK_SIZE, 3, 64).bytes_per_block
 
 
-@pytest.fixture(scope="session")
-def mesh(default_model_path):
-    config = MeshConfig(
+def mesh_config(**overrides) -> MeshConfig:
+    """The e2e tests' mesh: 3 small attention servers (BLOCKS_PER_SERVER rBlocks each), 1 compute instance."""
+    fields = dict(
         attention_servers=3,
         compute_instances=1,
         kv_memory_bytes=BLOCKS_PER_SERVER * BYTES_PER_BLOCK,
@@ -34,7 +34,12 @@ def mesh(default_model_path):
         max_num_batched_tokens=256,
         gateway_port=_free_port(),
     )
-    with LocalMesh(config) as m:
+    return MeshConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="session")
+def mesh(default_model_path):
+    with LocalMesh(mesh_config()) as m:
         yield m
 
 

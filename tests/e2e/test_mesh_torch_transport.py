@@ -9,8 +9,8 @@ import pytest
 
 from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
-from infinite_llm.mesh import LocalMesh, MeshConfig
-from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, BYTES_PER_BLOCK, _free_port, all_blocks_free, wait_until
+from infinite_llm.mesh import LocalMesh
+from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, mesh_config, wait_until
 
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
 GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)
@@ -18,18 +18,7 @@ GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def torch_mesh(default_model_path):
-    config = MeshConfig(
-        attention_servers=3,
-        compute_instances=1,
-        kv_memory_bytes=BLOCKS_PER_SERVER * BYTES_PER_BLOCK,
-        router_port=_free_port(),
-        block_size=BLOCK_SIZE,
-        member_ttl_s=3,
-        max_num_batched_tokens=256,
-        gateway_port=_free_port(),
-        transport="torch",
-    )
-    with LocalMesh(config) as m:
+    with LocalMesh(mesh_config(transport="torch")) as m:
         yield m
 
 
