@@ -189,8 +189,11 @@ class RManager:
         for bad counts or a sequence listed twice.
         """
         bs = self.layout.block_size
-        if len({s.seq_id for s in seqs}) != len(seqs):
-            raise InvalidRequest("a sequence appears twice in one step")
+        seen: set[str] = set()
+        for s in seqs:
+            if s.seq_id in seen:
+                raise InvalidRequest(f"sequence id {s.seq_id!r} appears twice in one step")
+            seen.add(s.seq_id)
         starts, positions, ctx, ids, idx, slots = [0], [], [], [], [], []
         for s in seqs:
             owned = self._owned.get(s.seq_id)
@@ -198,7 +201,8 @@ class RManager:
                 raise NotFound(f"sequence {s.seq_id!r} holds no rBlocks here")
             if s.num_computed_tokens < 0 or s.num_new < 1:
                 raise InvalidRequest(
-                    f"sequence {s.seq_id!r}: bad step ({s.num_computed_tokens} computed, {s.num_new} new)"
+                    f"sequence {s.seq_id!r}: num_computed_tokens {s.num_computed_tokens} must be >= 0 and "
+                    f"num_new {s.num_new} >= 1"
                 )
             num_blocks = -(-s.context_len // bs)
             visible = [(i, b) for i, b in owned.items() if i < num_blocks]

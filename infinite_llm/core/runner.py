@@ -1,7 +1,8 @@
 """Model runner: turns a scheduler step into flat model inputs, runs the dense layers, samples.
 
 The runner never sees the scheduler's queues (nano-vllm's split): it receives the scheduled sequences and
-an attention backend that knows where KV lives (``LocalDistAttention`` here, remote servers in the mesh).
+an attention backend that knows where KV lives (a ``DistAttention`` over local rManagers here, over remote
+attention servers in the mesh).
 """
 
 from __future__ import annotations

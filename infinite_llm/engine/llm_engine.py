@@ -1,6 +1,6 @@
 """The single-process engine: continuous batching over DistAttention partitions, streaming, abort.
 
-Wires the pure core together (model, rManagers, ``LocalDistAttention``, scheduler, runner, sampler) with
+Wires the pure core together (model, rManagers, ``DistAttention`` over local rManagers, scheduler, runner, sampler) with
 the tokenizer for text in and out. Every attention is computed as partition + merge over
 ``num_partitions`` rManagers (1 = plain paged attention), so this engine is the reference the mesh is
 checked against. ``step()`` is the whole loop body; ``generate`` and ``stream`` drive it.

@@ -68,7 +68,7 @@ class EngineMetrics:
         self._seen_preemptions = 0
         self.attention_rpc = Histogram(
             P + "attention_rpc_latency_seconds",
-            "One AttendStep call (one layer of one step) per attention server",
+            "One layer of one step on one attention server (AttendStream round trip)",
             ["server_id"],
             registry=registry,
             buckets=LATENCY_BUCKETS,
@@ -82,7 +82,7 @@ class EngineMetrics:
 
 
 class AttentionMetrics:
-    """Attention server: its rBlocks (used / free / reserved), sequences, AttendStep time."""
+    """Attention server: its rBlocks (used / free / reserved), sequences, per-layer AttendStream time."""
 
     def __init__(self, registry: CollectorRegistry, server_id: str, stats: Callable[[], object]) -> None:
         labels = {"server_id": server_id}
@@ -96,7 +96,7 @@ class AttentionMetrics:
             g.labels(**labels).set_function(lambda f=field: getattr(stats(), f))
         self.attend_step = Histogram(
             P + "attend_step_seconds",
-            "Server time of one AttendStep",
+            "Server time of one layer of an AttendStream step",
             ["server_id"],
             registry=registry,
             buckets=LATENCY_BUCKETS,

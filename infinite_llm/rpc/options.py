@@ -5,7 +5,7 @@ Sizes are bytes, times are seconds unless the option name says ``_ms``.
 
 from __future__ import annotations
 
-# A prefill chunk's AttendStep carries queries [tokens, heads, head_dim] plus new K/V: 2048 tokens of a
+# A prefill chunk's AttendStream layer carries queries [tokens, heads, head_dim] plus new K/V: 2048 tokens of a
 # 32-head, 128-dim fp32 model is ~32 MiB of queries alone. gRPC's default receive limit (4 MiB) would
 # refuse it; 256 MiB leaves headroom. Bulk transfers (migration) stream ~1 MiB chunks instead.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

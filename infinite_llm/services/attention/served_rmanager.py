@@ -23,7 +23,7 @@ RESERVATION_TTL_S = 60.0  # an uncommitted reservation older than this was orpha
 
 
 class ServedRManager:
-    """rBlocks of one server: reservations, AttendStep, export/import, stats.
+    """rBlocks of one server: reservations, steps (open_step / attend_layer), export/import, stats.
 
     Raises (every method): ``InvalidRequest``, ``NotFound``, ``CapacityExhausted`` as documented by
     ``RManager``; a failed call changes nothing.

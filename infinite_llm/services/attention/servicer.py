@@ -40,7 +40,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
     """
 
     def __init__(self, holder: ServedRManager, server_id: str, channels: TensorChannels | None = None) -> None:
-        self.on_attend_step: Callable[[float], None] | None = None  # seconds per AttendStep (metrics)
+        self.on_attend_step: Callable[[float], None] | None = None  # seconds per layer of a step (metrics)
         self.holder = holder
         self.server_id = server_id
         self.channels = channels

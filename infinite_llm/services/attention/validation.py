@@ -15,21 +15,14 @@ from infinite_llm.services.attention.types import ServerStep
 
 
 def check_step_open(seqs: list[SeqStep], num_heads: int, layout: KVLayout) -> None:
-    """Validate a step's opening: distinct non-empty ids, sane counts, a query head count that fits."""
+    """Validate a step's opening: at least one sequence and a query head count that fits the layout.
+
+    Ids, duplicates and token counts are ``RManager.plan_step``'s preconditions, checked there.
+    """
     if not seqs:
         raise InvalidRequest("a step must name at least one sequence")
     if num_heads < 1 or num_heads % layout.num_kv_heads:
         raise InvalidRequest(f"num_heads {num_heads} is not a positive multiple of {layout.num_kv_heads}")
-    seen: set[str] = set()
-    for s in seqs:
-        if not s.seq_id or s.seq_id in seen:
-            raise InvalidRequest(f"sequence id {s.seq_id!r} is empty or appears twice in one step")
-        seen.add(s.seq_id)
-        if s.num_computed_tokens < 0 or s.num_new < 1:
-            raise InvalidRequest(
-                f"sequence {s.seq_id!r}: num_computed_tokens {s.num_computed_tokens} must be >= 0 and "
-                f"num_new {s.num_new} >= 1"
-            )
 
 
 def check_layer(
