@@ -89,6 +89,8 @@ def partial_attention(
     v_cache: torch.Tensor,
     meta: PartialAttentionMetadata,
     scale: float | None = None,
+    *,
+    max_query_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over the rBlocks listed in ``meta`` only (one MicroAttention per sequence).
 
@@ -99,6 +101,7 @@ def partial_attention(
             KV head ``h // (num_heads // num_kv_heads)``.
         meta: visibility of keys, see :class:`PartialAttentionMetadata`.
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
+        max_query_len: a launch hint of the Triton kernel (the longest query run); unused here.
 
     Returns:
         ``(partial_out, lse)``: ``partial_out [num_tokens, num_heads, head_dim]`` in ``query.dtype``,

@@ -45,15 +45,19 @@ def partial_attention(
     v_cache: torch.Tensor,
     meta: PartialAttentionMetadata,
     scale: float | None = None,
+    *,
+    max_query_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partial_out [num_tokens, num_heads, head_dim], lse [num_tokens, num_heads] fp32)``.
 
     Same contract as :func:`infinite_llm.core.attention.partial_attention`; dispatched by :func:`use_triton`.
+    ``max_query_len`` (the longest query run, when known: 1 for decode) spares the Triton launcher its one
+    host sync, so the call can be captured in a CUDA graph; the torch reference does not need it.
     """
     if use_triton(query.device):
         from infinite_llm.kernels.paged_attention import triton_partial_attention
 
-        return triton_partial_attention(query, k_cache, v_cache, meta, scale)
+        return triton_partial_attention(query, k_cache, v_cache, meta, scale, max_query_len=max_query_len)
     return reference.partial_attention(query, k_cache, v_cache, meta, scale)
 
 

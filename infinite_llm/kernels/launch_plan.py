@@ -70,7 +70,8 @@ class LaunchPlan:
     block_n: int  # keys per loop iteration, a whole number of blocks
     num_q_tiles: int
     num_splits: int
-    blocks_per_split: int
+    blocks_per_split: int  # of the widest sequence (``max_blocks``); the kernel divides each one's own
+    split_align: int  # blocks: each sequence's split is a multiple (1 when num_splits was forced)
     num_warps: int
     num_stages: int
 
@@ -99,7 +100,7 @@ def plan_launch(shape: AttentionShape, num_sms: int, forced: TileOverrides = Til
     num_splits = max(1, _cdiv(shape.max_blocks, blocks_per_split))
     num_warps = forced.num_warps or (8 if block_m >= WIDE_BLOCK_M else 4)
     num_stages = forced.num_stages or NUM_STAGES
-    return LaunchPlan(block_m, block_n, num_q_tiles, num_splits, blocks_per_split, num_warps, num_stages)
+    return LaunchPlan(block_m, block_n, num_q_tiles, num_splits, blocks_per_split, align, num_warps, num_stages)
 
 
 def _block_m(shape: AttentionShape) -> int:

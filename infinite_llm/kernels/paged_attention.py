@@ -83,18 +83,24 @@ def _online_softmax_step(q, k, v, key_pos, key_ok, query_pos, qk_scale, m, denom
 
 # Triton compiles a variant per "== 1" / "% 16 == 0" pattern of integer arguments; these three change as
 # contexts grow during serving, and specializing them buys nothing, so they would only add recompiles.
-@triton.jit(do_not_specialize=["max_blocks", "num_splits", "blocks_per_split"])
+@triton.jit(do_not_specialize=["max_blocks", "num_splits", "split_align"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     query_start_loc_ptr, query_positions_ptr, block_ids_ptr, block_indices_ptr, num_blocks_ptr,
     context_lens_ptr,
-    qk_scale, head_dim, max_blocks, num_splits, blocks_per_split,
+    qk_scale, head_dim, max_blocks, num_splits, split_align,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(num_seqs, query tiles, num_kv_heads * num_splits)``; writes ``out[split]``, ``lse[split]``."""
+    """Grid ``(num_seqs, query tiles, num_kv_heads * num_splits)``; writes ``out[split]``, ``lse[split]``.
+
+    Each sequence spreads its own ``num_blocks`` over the ``num_splits`` splits (``split_align`` blocks at
+    least, a whole multiple of them), so a short sequence in a batch sized for a long one (a CUDA-graph
+    bucket's full-width block table) uses as many programs as its length deserves; splits past its blocks
+    write ``lse = -inf``.
+    """
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(2) // num_splits
     split = (tl.program_id(2) % num_splits).to(tl.int64)
@@ -111,8 +117,10 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    seq_blocks = tl.load(num_blocks_ptr + seq)
+    blocks_per_split = tl.maximum(split_align, tl.cdiv(tl.cdiv(seq_blocks, num_splits), split_align) * split_align)
     slot_lo = split * blocks_per_split
-    slot_hi = tl.minimum(tl.load(num_blocks_ptr + seq), slot_lo + blocks_per_split)
+    slot_hi = tl.minimum(seq_blocks, slot_lo + blocks_per_split)
     slot_hi = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, slot_hi, slot_lo)  # tile past the queries: skip
     context_len = tl.load(context_lens_ptr + seq)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -143,6 +151,7 @@ def triton_partial_attention(
     *,
     num_splits: int | None = None,
     tiles: TileOverrides | None = None,
+    max_query_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over the rBlocks listed in ``meta`` only, on the device.
 
@@ -156,6 +165,9 @@ def triton_partial_attention(
         num_splits: KV splits per sequence (merged exactly); default: enough to fill the GPU.
         tiles: tile sizes, warps, stages forced for tests and tuning (``num_splits`` wins over
             ``tiles.num_splits``); default: the policy of ``launch_plan.py``.
+        max_query_len: the longest query run of a sequence, when the caller knows it (decode: 1). Given,
+            the call makes no host sync, so it can be captured in a CUDA graph; ``query_start_loc`` is then
+            trusted. Default: read from ``query_start_loc`` (one host sync, and the runs are checked).
 
     Returns:
         ``(partial_out [num_tokens, num_heads, head_dim]`` in ``query.dtype``, ``lse [num_tokens, num_heads]``
@@ -165,7 +177,8 @@ def triton_partial_attention(
         InvalidRequest: wrong dtype, shape, head counts, ``query_start_loc``, tensors off the device
             (CUDA, or CPU under ``TRITON_INTERPRET=1``), or forced tiles the kernel cannot run.
 
-    One host sync (reads ``query_start_loc``). Torch reference: ``core.attention.partial_attention``.
+    One host sync (reads ``query_start_loc``) unless ``max_query_len`` is given. Torch reference:
+    ``core.attention.partial_attention``.
     """
     _check_inputs(query, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = query.shape
@@ -175,7 +188,7 @@ def triton_partial_attention(
     forced = tiles or TileOverrides()
     if num_splits is not None:
         forced = dataclasses.replace(forced, num_splits=num_splits)
-    plan = plan_launch(_shape(query, k_cache, meta), _num_sms(query.device), forced)
+    plan = plan_launch(_shape(query, k_cache, meta, max_query_len), _num_sms(query.device), forced)
     # every (token, head) row is written: query tiles cover each sequence's run, which cover all tokens
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)
@@ -247,12 +260,18 @@ def _max_query_len(query_start_loc: torch.Tensor, num_tokens: int) -> int:
     return max(lens)
 
 
-def _shape(query: torch.Tensor, k_cache: torch.Tensor, meta: PartialAttentionMetadata) -> AttentionShape:
-    """The launch-relevant scalars of checked inputs (one host sync: the longest query run)."""
+def _shape(
+    query: torch.Tensor, k_cache: torch.Tensor, meta: PartialAttentionMetadata, max_query_len: int | None
+) -> AttentionShape:
+    """The launch-relevant scalars of checked inputs (one host sync for the longest query run, unless given)."""
     num_tokens, num_heads, head_dim = query.shape
+    if max_query_len is None:
+        max_query_len = _max_query_len(meta.query_start_loc, num_tokens)
+    elif not 1 <= max_query_len <= num_tokens:
+        raise InvalidRequest(f"max_query_len {max_query_len} must lie in [1, {num_tokens}]")
     return AttentionShape(
         num_seqs=meta.num_seqs,
-        max_query_len=_max_query_len(meta.query_start_loc, num_tokens),
+        max_query_len=max_query_len,
         max_blocks=meta.block_ids.shape[1],
         num_kv_heads=k_cache.shape[2],
         group=num_heads // k_cache.shape[2],
@@ -290,7 +309,7 @@ def _launch(
     grid = (meta.num_seqs, plan.num_q_tiles, num_kv_heads * plan.num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, lse, *idx,
-        scale * math.log2(math.e), head_dim, meta.block_ids.shape[1], plan.num_splits, plan.blocks_per_split,
+        scale * math.log2(math.e), head_dim, meta.block_ids.shape[1], plan.num_splits, plan.split_align,
         query.stride(0), query.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         GROUP=num_heads // num_kv_heads, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_SIZE=block_size,

@@ -102,7 +102,7 @@ def prefill_batch(block_size: int) -> list[Part]:
 
 def assert_matches_reference(case: Case, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = triton_partial_attention(case.query, case.k_cache, case.v_cache, case.meta, **kwargs)
-    scale = kwargs.get("scale")
+    scale = kwargs.get("scale")  # the reference needs no launch hints (num_splits, tiles, max_query_len)
     ref_out, ref_lse = partial_attention(case.query, case.k_cache, case.v_cache, case.meta, scale)
     assert out.dtype == case.query.dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out, ref_out, **TOL)
@@ -158,6 +158,35 @@ def long_decode_batch() -> list[Part]:
 def test_long_decode_matches_reference_for_any_split_count_and_key_tile(num_splits, block_n):
     case = build_case(long_decode_batch(), num_heads=8, num_kv_heads=2, block_size=4, seed=7)
     assert_matches_reference(case, num_splits=num_splits, tiles=TileOverrides(block_n=block_n))
+
+
+def widened(case: Case, width: int) -> Case:
+    """The same case with block tables padded to ``width`` columns (a CUDA-graph bucket's fixed width)."""
+    pad = width - case.meta.block_ids.shape[1]
+    ids = torch.nn.functional.pad(case.meta.block_ids, (0, pad), value=PADDING_ID)
+    idx = torch.nn.functional.pad(case.meta.block_indices, (0, pad))
+    meta = PartialAttentionMetadata(
+        case.meta.query_start_loc, case.meta.query_positions, ids, idx, case.meta.num_blocks, case.meta.context_lens
+    )
+    return Case(case.query, case.k_cache, case.v_cache, meta)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 6, 40])
+def test_each_sequence_spreads_its_own_blocks_over_the_splits_of_a_wide_table(num_splits, monkeypatch):
+    """Splits are sized per sequence (its num_blocks), not by the table width: a 500-block-wide table with
+    sequences of 1 to 125 blocks, sized as a CUDA graph would capture it, with ``max_query_len`` given (the
+    path without a host sync)."""
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_plan, "MIN_KEYS_PER_SPLIT", 32)
+    parts = long_decode_batch() + [Part(1, [0], [0]), Part(6, [5], [])]
+    case = widened(build_case(parts, num_heads=8, num_kv_heads=2, block_size=4, seed=11), 500)
+    assert_matches_reference(case, num_splits=num_splits, max_query_len=1)
+
+
+def test_a_given_max_query_len_out_of_range_is_refused():
+    case = build_case(decode_batch(4))
+    with pytest.raises(InvalidRequest, match="max_query_len 0 must lie in"):
+        triton_partial_attention(case.query, case.k_cache, case.v_cache, case.meta, max_query_len=0)
 
 
 def long_prefill_batch() -> list[Part]:
