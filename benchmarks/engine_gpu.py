@@ -5,11 +5,13 @@ intermediate 8192, 32 query / 8 kv heads of 64, vocab 49152, Llama-3 RoPE scalin
 ``LlamaForCausalLM`` (``attn_implementation="sdpa"``) and our ``LLMEngine`` (same weights, via
 ``LLMEngine.from_weights``) run the same token-id prompts, greedy, one after the other. It prints:
 
-1. fp32 greedy equality with HF (4 prompts, 24 new tokens), the engine with 1 and 3 partitions;
-2. bf16 decode tok/s at batch 1, 16, 64 (prompt 512, 128 new tokens) and the engine/HF ratio;
+1. fp32 greedy equality with HF (4 prompts, 24 new tokens), the engine (CUDA-graph decode) with 1 and 3
+   partitions;
+2. bf16 decode tok/s at batch 1, 16, 64 (prompt 512, 128 new tokens): the engine with CUDA-graph decode
+   (the default), the engine with ``enforce_eager``, HF, and the ratios;
 3. one 32K-token prompt: time to first token and decode tok/s;
-4. a batch-1 decode step of the engine: wall time, GPU-busy fraction (torch.profiler kernel time / wall
-   time) and kernels launched per step.
+4. a batch-1 decode step of both engines: wall time, GPU-busy fraction (torch.profiler kernel time / wall
+   time), kernels launched per step, and the weight-read floor (bf16 weights / 4.3 TB/s).
 
 Decode tok/s counts tokens produced after every sequence of the batch has its first token, over the time
 from then to the last token (HF: timestamps taken by a logits processor at each step), so prefill is
@@ -71,6 +73,7 @@ class Workload:
         return max(max(self.batches) * per_seq, long) + 64
 
 
+PEAK_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, measured (benchmarks/kernels_gpu.py)
 FULL = Workload(LLAMA_3_2_1B)
 QUICK = replace(FULL, batches=(1, 16), new_tokens=64, long_prompt=16384, long_new_tokens=16)
 SMOKE = Workload(TINY, batches=(1, 4), prompt_len=24, new_tokens=6, long_prompt=200, long_new_tokens=4,
@@ -121,12 +124,16 @@ def build_hf(work: Workload, device: str):
     return model.eval()
 
 
-def build_engine(hf, work: Workload, dtype: torch.dtype, device: str, num_partitions: int = 1) -> LLMEngine:
-    """Our engine with ``hf``'s weights (HF names), KV for the whole workload."""
+def build_engine(
+    hf, work: Workload, dtype: torch.dtype, device: str, num_partitions: int = 1, enforce_eager: bool = False
+) -> LLMEngine:
+    """Our engine with ``hf``'s weights (HF names), KV for the whole workload; CUDA-graph decode on CUDA
+    unless ``enforce_eager`` (on CPU: its static buffers, uncaptured, so the smoke test covers them)."""
     model_config = config_from_hf_dict(hf.config.to_dict())
     config = EngineConfig(
         block_size=work.block_size, num_kv_blocks=work.kv_blocks, num_partitions=num_partitions,
         max_num_seqs=max(work.batches), max_num_batched_tokens=work.token_budget, dtype=dtype, device=device,
+        enforce_eager=enforce_eager, static_decode_without_graphs=not enforce_eager and device == "cpu",
     )  # fmt: skip
     state_dict = {name: t.detach() for name, t in hf.state_dict().items()}
     return LLMEngine.from_weights(model_config, state_dict, TokenIdTokenizer(), config)
@@ -216,19 +223,23 @@ def _divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def compare_decode(hf, engine: LLMEngine, work: Workload) -> None:
-    """bf16 decode tok/s, engine vs HF, per batch size (after a short warm-up of each)."""
+def compare_decode(hf, engine: LLMEngine, eager: LLMEngine, work: Workload) -> None:
+    """bf16 decode tok/s, engine (CUDA graphs) vs engine (eager) vs HF, per batch size (after a warm-up)."""
     print(f"bf16 decode tok/s, prompt {work.prompt_len}, {work.new_tokens} new tokens")
     for batch in work.batches:
         prompts = random_prompts(batch, work.prompt_len, work.model["vocab_size"], seed=batch)
-        run_engine(engine, prompts, 4)  # warm-up: compiles this shape's kernels
+        for warm in (engine, eager):
+            run_engine(warm, prompts, 4)  # warm-up: compiles this shape's kernels
         run_hf(hf, prompts, 4)
-        ours, theirs = run_engine(engine, prompts, work.new_tokens), run_hf(hf, prompts, work.new_tokens)
-        print(f"  batch {batch:3d}: engine {ours.decode_tok_s:9.1f}  HF {theirs.decode_tok_s:9.1f}  "
-              f"engine/HF {ours.decode_tok_s / theirs.decode_tok_s:5.2f}")  # fmt: skip
+        ours, slow = run_engine(engine, prompts, work.new_tokens), run_engine(eager, prompts, work.new_tokens)
+        theirs = run_hf(hf, prompts, work.new_tokens)
+        same = "same tokens" if ours.token_ids == slow.token_ids else "TOKENS DIFFER"
+        print(f"  batch {batch:3d}: engine {ours.decode_tok_s:9.1f}  eager {slow.decode_tok_s:9.1f}  "
+              f"HF {theirs.decode_tok_s:9.1f}  engine/HF {ours.decode_tok_s / theirs.decode_tok_s:5.2f}  "
+              f"engine/eager {ours.decode_tok_s / slow.decode_tok_s:5.2f}  ({same} as eager)")  # fmt: skip
 
 
-def compare_long_prompt(hf, engine: LLMEngine, work: Workload) -> None:
+def compare_long_prompt(hf, engine: LLMEngine, eager: LLMEngine, work: Workload) -> None:
     """One long prompt: time to first token and decode tok/s at that context, engine vs HF."""
     warm = random_prompts(1, work.token_budget + 16, work.model["vocab_size"], seed=3)  # 2 chunks
     run_engine(engine, warm, 2)
@@ -243,7 +254,17 @@ def compare_long_prompt(hf, engine: LLMEngine, work: Workload) -> None:
           f"engine/HF {ours.decode_tok_s / theirs.decode_tok_s:5.2f}")  # fmt: skip
 
 
-def profile_decode_step(engine: LLMEngine, work: Workload) -> None:
+def profile_decode_steps(hf, engine: LLMEngine, eager: LLMEngine, work: Workload) -> None:
+    """:func:`profile_decode_step` of both engines, beside the weight-read floor of the model."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    floor_ms = weight_bytes / PEAK_BYTES_PER_S * 1e3
+    print(f"weight-read floor: {weight_bytes / 1e9:.2f} GB / 4.3 TB/s = {floor_ms:.3f} ms per step "
+          f"({1e3 / floor_ms:.0f} tok/s at batch 1)")  # fmt: skip
+    for name, e in (("CUDA graphs", engine), ("eager", eager)):
+        profile_decode_step(e, work, name)
+
+
+def profile_decode_step(engine: LLMEngine, work: Workload, name: str = "engine") -> None:
     """Wall time, GPU-busy fraction and kernel count of one batch-1 decode step at a ``prompt_len`` context."""
     prompt = random_prompts(1, work.prompt_len, work.model["vocab_size"], seed=2)[0]
     steps = 3 * work.profile_steps + 4
@@ -259,8 +280,9 @@ def profile_decode_step(engine: LLMEngine, work: Workload) -> None:
     gpu = device_time(engine.step, work.profile_steps)
     engine.abort(rid)
     busy = f"{gpu.busy_us / wall_us:5.2f}" if torch.cuda.is_available() else "n/a (no CUDA)"
-    print(f"engine batch-1 decode step at {work.prompt_len} tokens: wall {wall_us / 1e3:7.3f} ms, GPU busy "
-          f"{gpu.busy_us / 1e3:7.3f} ms, busy fraction {busy}, {gpu.kernels:.0f} kernels per step")  # fmt: skip
+    print(f"{name:>11s} batch-1 decode step at {work.prompt_len} tokens: wall {wall_us / 1e3:7.3f} ms "
+          f"({1e6 / wall_us:6.0f} tok/s), GPU busy {gpu.busy_us / 1e3:7.3f} ms, busy fraction {busy}, "
+          f"{gpu.kernels:.0f} kernels per step")  # fmt: skip
 
 
 def main() -> int:
@@ -283,8 +305,8 @@ def main() -> int:
     ok = True if args.skip_equality else section(check_equality, hf, work, args.device)
     hf = hf.to(torch.bfloat16)
     engine = build_engine(hf, work, torch.bfloat16, args.device)
-    timed = [section(fn, hf, engine, work) for fn in (compare_decode, compare_long_prompt)]
-    timed.append(section(profile_decode_step, engine, work))
+    eager = build_engine(hf, work, torch.bfloat16, args.device, enforce_eager=True)
+    timed = [section(fn, hf, engine, eager, work) for fn in (compare_decode, compare_long_prompt, profile_decode_steps)]
     print("equality: " + ("ok" if ok else "MISMATCH") + ("" if all(timed) else "; a section FAILED (above)"))
     return 0 if ok and all(timed) else 1
 

@@ -58,6 +58,10 @@ def generate(
     block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = DEFAULT_BLOCK_SIZE,
     kv_blocks: Annotated[int, typer.Option(help="rBlocks of KV memory in all.")] = 2048,
     num_partitions: Annotated[int, typer.Option(help="DistAttention partitions (1 = plain paged attention).")] = 1,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (the single-process engine).")] = "cpu",
+    enforce_eager: Annotated[
+        bool, typer.Option(help="On CUDA, run decode eagerly instead of replaying CUDA graphs (debugging).")
+    ] = False,
     router: Annotated[str | None, typer.Option(help="Send the request through the mesh's router at HOST:PORT.")] = None,
 ) -> None:
     """Generate text (single-process engine, or the mesh with --router) and stream it to stdout."""
@@ -72,9 +76,10 @@ def generate(
         SamplingParams(max_tokens=max_tokens, **sampling)  # same validation and messages as locally
         _generate_via_router(router, text, chat, model, max_tokens, sampling)
         return
-    from infinite_llm.cli_mesh import torch_dtype
+    from infinite_llm.cli_mesh import device_option, torch_dtype
 
     engine_dtype = torch_dtype(dtype)  # BadParameter before the model loads
+    engine_device = device_option(device)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -88,6 +93,8 @@ def generate(
         num_kv_blocks=kv_blocks,
         num_partitions=num_partitions,
         dtype=engine_dtype,
+        device=engine_device,
+        enforce_eager=enforce_eager,
     )
     with err.status("loading model...", spinner="dots"):
         engine = LLMEngine.from_pretrained(model, config)

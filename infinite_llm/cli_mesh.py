@@ -40,7 +40,7 @@ def _transport(text: str) -> str:
     return text
 
 
-def _device(text: str) -> str:
+def device_option(text: str) -> str:
     import torch
 
     try:
@@ -110,7 +110,7 @@ def serve_attention(
         block_size=block_size,
         host=host,
         port=port,
-        device=_device(device),
+        device=device_option(device),
         manager_address=manager,
         transport=_transport(transport),
         advertise_host=advertise_host,
@@ -236,7 +236,7 @@ def serve_compute(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         metrics_port=metrics_port,
-        device=_device(device),
+        device=device_option(device),
         max_waiting=max_waiting,
         transport=_transport(transport),
     )

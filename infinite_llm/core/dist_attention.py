@@ -120,7 +120,7 @@ class PartialsBuffer:
 
 
 @dataclass(frozen=True)
-class _HolderRows:
+class HolderRows:
     """One holder's share of a step: its query rows and the rows of the new tokens it stores.
 
     ``None`` means every row of the step, in order (no gather needed).
@@ -134,7 +134,7 @@ class StepAttention:
     """The attention callable of one step (``AttentionFn``): fan out per layer, merge. Close it after the
     step (``with``), so the holders drop their plans."""
 
-    def __init__(self, owner: DistAttention, step_id: int, rows: dict[HolderId, _HolderRows]) -> None:
+    def __init__(self, owner: DistAttention, step_id: int, rows: dict[HolderId, HolderRows]) -> None:
         self._owner = owner
         self.step_id = step_id
         self.rows = rows
@@ -258,6 +258,17 @@ class DistAttention:
 
         Raises :class:`InvalidRequest` when a block table is too short for its step.
         """
+        plans, rows = self.split_step(seqs)
+        step_id = next(self._step_ids)
+        self.transport.open_step(step_id, plans, num_heads)
+        return StepAttention(self, step_id, rows)
+
+    def split_step(self, seqs: list[SeqStep]) -> tuple[dict[HolderId, list[SeqStep]], dict[HolderId, HolderRows]]:
+        """Which holders serve which sequences of a step, and each holder's query rows and new-K/V rows.
+
+        Rows number the step's tokens (``seqs``' new tokens concatenated); ``None`` rows mean every row.
+        Raises :class:`InvalidRequest` when a block table is too short for its step.
+        """
         plans: dict[HolderId, list[SeqStep]] = {}
         query_rows: dict[HolderId, list[int]] = {}
         new_rows: dict[HolderId, list[int]] = {}
@@ -271,10 +282,8 @@ class DistAttention:
             for row, pos in enumerate(range(s.num_computed_tokens, s.context_len), start=start):
                 new_rows[table[pos // self.block_size].holder].append(row)
             start += s.num_new
-        rows = {h: _HolderRows(self._index(query_rows[h], start), self._index(new_rows[h], start)) for h in plans}
-        step_id = next(self._step_ids)
-        self.transport.open_step(step_id, plans, num_heads)
-        return StepAttention(self, step_id, rows)
+        rows = {h: HolderRows(self._index(query_rows[h], start), self._index(new_rows[h], start)) for h in plans}
+        return plans, rows
 
     def _holders_of_step(self, s: SeqStep) -> list[HolderId]:
         """Holders of an rBlock below the step's context, in table order."""

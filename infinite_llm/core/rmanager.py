@@ -19,6 +19,7 @@ from infinite_llm.core.block_pool import RBlockPool, Reservation
 from infinite_llm.core.errors import InvalidRequest, NotFound
 
 PartialAttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+WriteKVFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class RManager:
         layout: KVLayout,
         device: torch.device | str = "cpu",
         attention_impl: PartialAttentionFn = partial_attention,
+        write_kv_impl: WriteKVFn = write_kv,
     ) -> None:
         self.layout = layout
         self.device = torch.device(device)
@@ -104,6 +106,7 @@ class RManager:
         self.k_cache = torch.zeros(shape, dtype=layout.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=layout.dtype, device=self.device)
         self._attention_impl = attention_impl
+        self._write_kv_impl = write_kv_impl
         self._owned: dict[str, dict[int, int]] = {}  # seq_id -> {logical index: block id}, in commit order
         self._pending: dict[int, str] = {}
         self._versions: dict[str, int] = {}  # bumped when a sequence's blocks are freed: voids older plans
@@ -265,6 +268,25 @@ class RManager:
         stale = [s for s, v in plan.seq_versions if self._versions.get(s) != v or s not in self._owned]
         if stale:
             raise NotFound(f"sequences {stale[:4]} were freed during the step")
+        return self.attend_planned(layer, plan.meta, plan.slot_mapping, query, new_key, new_value)
+
+    def attend_planned(
+        self,
+        layer: int,
+        meta: PartialAttentionMetadata,
+        slot_mapping: torch.Tensor,
+        query: torch.Tensor,
+        new_key: torch.Tensor,
+        new_value: torch.Tensor,
+        max_query_len: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` without its checks, on metadata the caller built from this step's plans.
+
+        For the CUDA-graph decode (``core/decode_graphs.py``): no host sync and no Python state is read, so
+        the call can be captured and replayed. ``slot_mapping [num_new]`` may hold ``-1`` for rows whose
+        K/V is not stored here (padding, or another holder's token); ``new_key, new_value`` then have one row
+        per query. ``max_query_len`` (decode: 1) spares the kernel launcher its host sync.
+        """
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        write_kv(k_cache, v_cache, plan.slot_mapping, new_key, new_value)
-        return self._attention_impl(query, k_cache, v_cache, plan.meta)
+        self._write_kv_impl(k_cache, v_cache, slot_mapping, new_key, new_value)
+        return self._attention_impl(query, k_cache, v_cache, meta, max_query_len=max_query_len)

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE, ModelConfig
+from infinite_llm.core.decode_graphs import DecodeGraphs
 from infinite_llm.core.dist_attention import DistAttention, StepAttention
 from infinite_llm.core.errors import ContextLengthExceeded, InvalidRequest, NotFound
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
@@ -47,6 +48,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    # Decode steps of the local engine replay CUDA graphs (one per batch-size bucket up to
+    # max_num_seqs, captured at start) on CUDA; enforce_eager turns them off (vLLM's flag). Steps with
+    # remote KV (a compute instance) always run eagerly: their attention crosses the network.
+    enforce_eager: bool = False
+    # Run decode through the CUDA-graph path's static buffers without capturing: on CPU, to test them.
+    static_decode_without_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -76,7 +83,8 @@ class LLMEngine:
         self.config = config
         self.kv: KVBackend = kv if kv is not None else local_dist_attention(model.config, config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
-        self.runner = ModelRunner(model, self.kv.prepare, config.device)
+        graphs = decode_graphs(model, self.kv, config) if kv is None else None
+        self.runner = ModelRunner(model, self.kv.prepare, config.device, graphs)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
 
@@ -251,6 +259,19 @@ class LLMEngine:
         finally:
             if rid in self._requests:
                 self.abort(rid)
+
+
+def decode_graphs(model: LlamaForCausalLM, kv: DistAttention, config: EngineConfig) -> DecodeGraphs | None:
+    """The decode path of a local engine: CUDA graphs on CUDA unless ``enforce_eager``; the same static
+    buffers run eagerly if ``static_decode_without_graphs``; else ``None`` (every step eager)."""
+    capture = torch.device(config.device).type == "cuda" and not config.enforce_eager
+    if not capture and not config.static_decode_without_graphs:
+        return None
+    assert isinstance(kv.transport, LocalTransport)
+    from infinite_llm.kernels import merge_partials
+
+    max_len = model.config.max_position_embeddings
+    return DecodeGraphs(model, kv, kv.transport.holders, config.max_num_seqs, max_len, capture, merge_partials)
 
 
 def local_dist_attention(model: ModelConfig, config: EngineConfig) -> DistAttention:
