@@ -406,9 +406,13 @@ def write_kv(
 
     Args:
         k_cache, v_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``, written in place.
-        slot_mapping: ``[num_new_tokens]`` int64.
+        slot_mapping: ``[num_new_tokens]`` int64; a slot < 0 (a padding row of a CUDA-graph batch) is skipped,
+            as in vLLM's ``reshape_and_cache``.
         key, value: ``[num_new_tokens, num_kv_heads, head_dim]``, cast to the cache dtype.
     """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):  # syncs on a device; the Triton kernel (kernels.write_kv) masks instead
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     if slot_mapping.numel() == 0:
         return
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)

@@ -5,6 +5,10 @@ here and knows nothing about where KV lives: every layer hands ``(q, k, v)`` of 
 ``attention`` callable and gets the attention output back (DESIGN.md §3). The single-process engine passes
 DistAttention over local partitions; a compute instance passes a fan-out to attention servers.
 
+The elementwise ops between the matmuls (RMSNorm fused with the residual add, SwiGLU's ``silu_and_mul``, RoPE
+on q and k) are a :class:`DenseOps` set: the torch functions here (the CPU path and the reference), or by
+default the ``infinite_llm.kernels`` dispatchers, which run one Triton kernel per op on CUDA (vLLM's fusions).
+
 Checkpoints load by HF ``LlamaForCausalLM`` names (Llama 2/3, Mistral, Qwen2 with q/k/v bias, SmolLM2) through
 :meth:`LlamaForCausalLM.load_state_dict_hf`, which concatenates ``q/k/v_proj`` into one ``qkv_proj`` and
 ``gate/up_proj`` into one ``gate_up_proj`` (one matmul each instead of three and two; vLLM does the same).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,8 +36,38 @@ FUSED_HF_NAMES = {
 }
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` of ``x [num_tokens, hidden]``, ``weight [hidden]`` (as HF ``LlamaRMSNorm``).
+
+    fp32 math, cast back to ``x``'s dtype, then multiplied by ``weight`` in that dtype.
+    """
+    if x.dtype == torch.float32:  # one fused op; bit-identical to the three-step form below in fp32
+        return nn.functional.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)`` for ``x, residual [num_tokens, hidden]`` of one dtype.
+
+    ``x`` is a sublayer's output, ``residual`` the stream it is added to (vLLM ``fused_add_rms_norm``).
+    """
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up [num_tokens, 2 * intermediate]`` (gate first): ``[num_tokens,
+    intermediate]`` (vLLM ``silu_and_mul``)."""
+    gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
+    return nn.functional.silu(gate).mul_(up)
+
+
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in fp32 then cast back (as HF ``LlamaRMSNorm``)."""
+    """Holds the ``weight [hidden]`` and ``eps`` of one :func:`rms_norm` (HF ``LlamaRMSNorm``)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -40,11 +75,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; bit-identical to the three-step form below in fp32
-            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -83,6 +114,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out
 
 
+def rope_qk(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the q and k heads of ``qkv [num_tokens, num_heads + 2 * num_kv_heads, head_dim]`` in one pass.
+
+    Returns ``(q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim])``: views of one
+    new contiguous ``[num_tokens, num_heads + num_kv_heads, head_dim]`` tensor (see :func:`apply_rope`).
+    """
+    qk = apply_rope(qkv[:, : num_heads + num_kv_heads], cos, sin)  # (T, H + Hkv, D)
+    return qk[:, :num_heads], qk[:, num_heads:]
+
+
+@dataclass(frozen=True)
+class DenseOps:
+    """The fusable elementwise ops of the dense layers, each with the signature of this module's torch function
+    of the same name. :data:`TORCH_OPS` holds those functions; ``infinite_llm.kernels.DENSE_OPS`` dispatches
+    each call by device (Triton kernels on CUDA, these functions elsewhere)."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    rope_qk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+TORCH_OPS = DenseOps(rms_norm, fused_add_rms_norm, silu_and_mul, rope_qk)
+
+
+def dispatched_ops() -> DenseOps:
+    """``infinite_llm.kernels.DENSE_OPS``: Triton on CUDA, :data:`TORCH_OPS` elsewhere.
+
+    Imported when called, not with this module: ``kernels`` imports this module for its torch references.
+    """
+    from infinite_llm.kernels import DENSE_OPS
+
+    return DENSE_OPS
+
+
 class Attention(nn.Module):
     """Projections around attention; the attention itself is the injected ``AttentionFn``."""
 
@@ -99,13 +167,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
-        self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+        self,
+        layer_idx: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+        ops: DenseOps,
     ) -> torch.Tensor:
         t = x.shape[0]
         h, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, self.head_dim)  # (T, H + 2*Hkv, D)
-        qk = apply_rope(qkv[:, : h + hkv], cos, sin)  # (T, H + Hkv, D): RoPE on q and k in one pass
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv :]  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
+        q, k = ops.rope_qk(qkv, cos, sin, h, hkv)  # (T, H, D), (T, Hkv, D): RoPE on q and k in one pass
+        v = qkv[:, h + hkv :]  # (T, Hkv, D)
         out = attention(layer_idx, q, k, v)
         assert out.shape == q.shape, f"attention returned {tuple(out.shape)}, expected {tuple(q.shape)}"
         return self.o_proj(out.reshape(t, h * self.head_dim))
@@ -119,9 +193,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
-        return self.down_proj(nn.functional.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, ops: DenseOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -147,12 +220,15 @@ class LlamaForCausalLM(nn.Module):
     """The dense layers of a Llama-family model; attention is supplied per call.
 
     ``forward(input_ids, positions, attention, logits_indices)`` runs one step over the step's new tokens of
-    every scheduled sequence, flattened (``num_tokens`` rows, no padding).
+    every scheduled sequence, flattened (``num_tokens`` rows, no padding). ``ops`` are the norm, activation and
+    RoPE ops it calls (default :func:`dispatched_ops`: Triton on CUDA, torch elsewhere); the choice is made
+    per device, never per step, so a captured CUDA graph replays the same kernels.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: DenseOps | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.ops = dispatched_ops() if ops is None else ops
         self.model = _Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         assert cfg.head_dim is not None
@@ -189,12 +265,27 @@ class LlamaForCausalLM(nn.Module):
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, "flat [num_tokens] inputs"
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rope(positions, h.dtype)
+        # vLLM's residual stream: each sublayer's output (delta) is added to the residual by the next norm,
+        # fused with it; the same sums and norms as `h = h + attn(norm(h)); h = h + mlp(norm(h))`.
+        residual, delta = h, None
         for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(i, layer.input_layernorm(h), cos, sin, attention)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.model.norm(h[logits_indices])  # (num_logits, hidden)
+            x, residual = self._add_norm(delta, residual, layer.input_layernorm)
+            delta = layer.self_attn(i, x, cos, sin, attention, self.ops)
+            x, residual = self._add_norm(delta, residual, layer.post_attention_layernorm)
+            delta = layer.mlp(x, self.ops)
+        # the last add and the final norm only for the rows whose logits are wanted
+        delta = None if delta is None else delta[logits_indices]
+        x, _ = self._add_norm(delta, residual[logits_indices], self.model.norm)  # (num_logits, hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, weight).float()
+        return torch.nn.functional.linear(x, weight).float()
+
+    def _add_norm(
+        self, delta: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + delta), residual + delta)``, ``[T, hidden]`` each; ``delta`` None: nothing added."""
+        if delta is None:
+            return self.ops.rms_norm(residual, norm.weight, norm.eps), residual
+        return self.ops.fused_add_rms_norm(delta, residual, norm.weight, norm.eps)
 
     def load_state_dict_hf(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up (see :data:`FUSED_HF_NAMES`).

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from infinite_llm.core.config import ModelConfig
-from infinite_llm.core.model import LlamaForCausalLM, apply_rope
+from infinite_llm.core.model import AttentionFn, LlamaForCausalLM, apply_rope
+from infinite_llm.kernels import ENV_FORCE
 from infinite_llm.models.checkpoint import expected_shapes
 
 
@@ -107,3 +108,45 @@ def test_rope_on_a_strided_view_equals_rotate_half():
     cos, sin = torch.randn(5, 4).repeat(1, 2), torch.randn(5, 4).repeat(1, 2)
     ref = x * cos[:, None] + torch.cat((-x[..., 4:], x[..., :4]), -1) * sin[:, None]
     torch.testing.assert_close(apply_rope(x, cos, sin), ref, atol=1e-6, rtol=0)
+
+
+def _residual_loop_logits(
+    model: LlamaForCausalLM, ids: torch.Tensor, attention: AttentionFn, rows: torch.Tensor
+) -> torch.Tensor:
+    """The forward as it was before the fused ops: ``h = h + attn(norm(h)); h = h + mlp(norm(h))``, torch only."""
+    cfg = model.config
+    t, nh, nkv, d = ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    def norm(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, module.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)
+        return module.weight * xf.to(x.dtype)
+
+    h = model.model.embed_tokens(ids)
+    cos, sin = model.rope(torch.arange(t), h.dtype)
+    for i, layer in enumerate(model.model.layers):
+        qkv = layer.self_attn.qkv_proj(norm(h, layer.input_layernorm)).view(t, nh + 2 * nkv, d)
+        qk = apply_rope(qkv[:, : nh + nkv], cos, sin)
+        out = attention(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :])
+        h = h + layer.self_attn.o_proj(out.reshape(t, nh * d))
+        gate, up = layer.mlp.gate_up_proj(norm(h, layer.post_attention_layernorm)).chunk(2, dim=-1)
+        h = h + layer.mlp.down_proj(torch.nn.functional.silu(gate).mul_(up))
+    h = norm(h[rows], model.model.norm)
+    return torch.nn.functional.linear(h, model.lm_head.weight).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_carried_residual_forward_is_bit_identical_to_the_plain_residual_loop(dtype, monkeypatch):
+    """On CPU the model's default ops are the torch references; the vLLM-style residual stream (add fused into
+    the next norm, the last add only on the logits rows) must not change a bit of the logits."""
+    monkeypatch.delenv(ENV_FORCE, raising=False)
+    cfg = _cfg(bias=True)
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict_hf(_hf_weights(cfg))
+    model = model.to(dtype)
+    ids, rows = torch.tensor([3, 7, 1, 30, 5, 9, 2]), torch.tensor([0, 4, 6])
+    with torch.inference_mode():
+        expected = _residual_loop_logits(model, ids, _causal_attention, rows)
+    assert torch.equal(model(ids, torch.arange(7), _causal_attention, rows), expected)
