@@ -263,12 +263,18 @@ class LLMEngine:
 
 def decode_graphs(model: LlamaForCausalLM, kv: DistAttention, config: EngineConfig) -> DecodeGraphs | None:
     """The decode path of a local engine: CUDA graphs on CUDA unless ``enforce_eager``; the same static
-    buffers run eagerly if ``static_decode_without_graphs``; else ``None`` (every step eager)."""
-    capture = torch.device(config.device).type == "cuda" and not config.enforce_eager
+    buffers run eagerly if ``static_decode_without_graphs``; else ``None`` (every step eager).
+
+    Capture needs the Triton kernels (the torch reference reads tensors on the host): on CUDA without
+    triton the engine runs eagerly.
+    """
+    from infinite_llm.kernels import merge_partials, use_triton
+
+    device = torch.device(config.device)
+    capture = device.type == "cuda" and not config.enforce_eager and use_triton(device)
     if not capture and not config.static_decode_without_graphs:
         return None
     assert isinstance(kv.transport, LocalTransport)
-    from infinite_llm.kernels import merge_partials
 
     max_len = model.config.max_position_embeddings
     return DecodeGraphs(model, kv, kv.transport.holders, config.max_num_seqs, max_len, capture, merge_partials)
@@ -276,7 +282,7 @@ def decode_graphs(model: LlamaForCausalLM, kv: DistAttention, config: EngineConf
 
 def local_dist_attention(model: ModelConfig, config: EngineConfig) -> DistAttention:
     """DistAttention over ``config.num_partitions`` in-process rManagers on ``config.device``."""
-    from infinite_llm.kernels import merge_partials, partial_attention  # Triton on CUDA, torch elsewhere
+    from infinite_llm.kernels import merge_partials, partial_attention, write_kv  # Triton on CUDA, torch elsewhere
 
     assert model.head_dim is not None
     layout = KVLayout(
@@ -284,7 +290,9 @@ def local_dist_attention(model: ModelConfig, config: EngineConfig) -> DistAttent
     )
     base, extra = divmod(config.num_kv_blocks, config.num_partitions)
     holders = {
-        partition_id(p): RManager(base + (p < extra), layout, config.device, attention_impl=partial_attention)
+        partition_id(p): RManager(
+            base + (p < extra), layout, config.device, attention_impl=partial_attention, write_kv_impl=write_kv
+        )
         for p in range(config.num_partitions)
     }
     return DistAttention(

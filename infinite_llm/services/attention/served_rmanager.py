@@ -46,10 +46,11 @@ class ServedRManager:
     def with_capacity(cls, kv_memory_bytes: int, layout: KVLayout, device: str = "cpu") -> ServedRManager:
         """A holder with as many rBlocks as fit in ``kv_memory_bytes`` (bytes) on ``device``, computing with
         the kernels dispatcher (Triton on CUDA, the torch reference on CPU)."""
-        from infinite_llm.kernels import partial_attention
+        from infinite_llm.kernels import partial_attention, write_kv
 
         num_blocks = kv_memory_bytes // layout.bytes_per_block
-        return cls(RManager(num_blocks, layout, device=device, attention_impl=partial_attention))
+        rmanager = RManager(num_blocks, layout, device=device, attention_impl=partial_attention, write_kv_impl=write_kv)
+        return cls(rmanager)
 
     # ---- placement (two-phase) -----------------------------------------------------------------------
     def reserve(self, seq_id: str, num_blocks: int) -> Reservation:
