@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from infinite_llm.core.attention import PartialAttentionMetadata, merge_partials
-from infinite_llm.core.dist_attention import DistAttention, HolderId, HolderRows, MergeFn
+from infinite_llm.core.dist_attention import DistAttention, HolderId, MergeFn
 from infinite_llm.core.model import LlamaForCausalLM
 from infinite_llm.core.rmanager import RManager, SeqStep
 
@@ -46,27 +46,50 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({b for b in (1, 2, 4) if b < max_batch} | set(range(8, max_batch, 8)) | {max_batch})
 
 
+class _Staged:
+    """A static int64 device buffer and its host twin, written through numpy and uploaded once per step.
+
+    On CUDA the host twin is pinned memory and the upload one asynchronous copy (the step's sampling syncs
+    before the next step writes it again); on CPU the twin is the buffer itself.
+    """
+
+    def __init__(self, shape: tuple[int, ...], fill: int, device: torch.device) -> None:
+        self.tensor = torch.full(shape, fill, dtype=torch.int64, device=device)
+        on_host = device.type == "cpu"
+        host = self.tensor if on_host else torch.full(shape, fill, dtype=torch.int64, device="cpu", pin_memory=True)
+        self._host = None if on_host else host
+        self.np = host.numpy()
+
+    def upload(self, rows: int) -> None:
+        """Copy rows ``[:rows]`` to the device (nothing on CPU)."""
+        if self._host is not None:
+            self.tensor[:rows].copy_(self._host[:rows], non_blocking=True)
+
+
 @dataclass(frozen=True)
 class _HolderBuffers:
-    """One holder's static step inputs: ``[max_batch, width]`` block tables, ``[max_batch]`` the rest
-    (int64, on the holder's device)."""
+    """One holder's static step inputs: ``[max_batch, width]`` block tables, ``[max_batch]`` the rest."""
 
     rmanager: RManager
-    block_ids: torch.Tensor
-    block_indices: torch.Tensor
-    num_blocks: torch.Tensor
-    context_lens: torch.Tensor
-    slot_mapping: torch.Tensor
+    block_ids: _Staged
+    block_indices: _Staged
+    num_blocks: _Staged
+    context_lens: _Staged
+    slot_mapping: _Staged
 
     @property
     def width(self) -> int:
-        return self.block_ids.shape[1]
+        return self.block_ids.tensor.shape[1]
 
     def clear(self, batch: int) -> None:
         """Every row of a bucket of ``batch`` is padding: no block, no context, no slot."""
-        self.num_blocks[:batch].zero_()
-        self.context_lens[:batch].zero_()
-        self.slot_mapping[:batch].fill_(-1)
+        self.num_blocks.np[:batch] = 0
+        self.context_lens.np[:batch] = 0
+        self.slot_mapping.np[:batch] = -1
+
+    def upload(self, batch: int) -> None:
+        for staged in (self.block_ids, self.block_indices, self.num_blocks, self.context_lens, self.slot_mapping):
+            staged.upload(batch)
 
 
 class _StaticAttention:
@@ -123,22 +146,22 @@ class DecodeGraphs:
         (self.device,) = devices
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need CUDA tensors; the KV is on {self.device}")
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self.input_ids = torch.zeros(max_batch, **i64)
-        self.positions = torch.zeros(max_batch, **i64)
-        self.logits_indices = torch.arange(max_batch, **i64)
-        self.query_start_loc = torch.arange(max_batch + 1, **i64)  # one query per sequence
+        device = self.device
+        self.input_ids = _Staged((max_batch,), 0, device)
+        self.positions = _Staged((max_batch,), 0, device)
+        self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)  # one query each
         max_blocks = -(-max_model_len // dist.block_size)
         self.holders: dict[HolderId, _HolderBuffers] = {}
         for h, rm in holders.items():
             width = min(rm.pool.num_blocks, max_blocks)
             self.holders[h] = _HolderBuffers(
                 rm,
-                torch.zeros(max_batch, width, **i64),
-                torch.zeros(max_batch, width, **i64),
-                torch.zeros(max_batch, **i64),
-                torch.zeros(max_batch, **i64),
-                torch.full((max_batch,), -1, **i64),
+                _Staged((max_batch, width), 0, device),
+                _Staged((max_batch, width), 0, device),
+                _Staged((max_batch,), 0, device),
+                _Staged((max_batch,), 0, device),
+                _Staged((max_batch,), -1, device),
             )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # each graph's output buffer [bucket, vocab] fp32
@@ -176,30 +199,40 @@ class DecodeGraphs:
         return self._logits[batch][:n]
 
     def _fill(self, steps: list[SeqStep], input_ids: list[int], batch: int) -> int:
-        """Write the step into the buffers (rows ``>= len(steps)`` padding); returns the widest block-table row."""
+        """Write the step into the buffers (rows ``>= len(steps)`` padding); returns the widest block-table row.
+
+        Host work only (lists into numpy), then one upload per buffer: no kernel, no host sync.
+        """
         n = len(steps)
-        plans, rows = self.dist.split_step(steps)
-        built = {h: self.holders[h].rmanager.plan_step(seqs) for h, seqs in plans.items()}  # checks, before writes
-        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.int64, device=self.device))
-        positions = [s.num_computed_tokens for s in steps]
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.int64, device=self.device))
-        self.input_ids[n:batch].zero_()
-        self.positions[n:batch].zero_()
+        plans: dict[HolderId, list[SeqStep]] = {}
+        for s in steps:
+            for h in self.dist.holders_of_step(s):
+                plans.setdefault(h, []).append(s)
+        built = {h: self.holders[h].rmanager.plan_rows(seqs) for h, seqs in plans.items()}  # checks, then writes
+        row_of = {s.seq_id: i for i, s in enumerate(steps)}
+        self.input_ids.np[:n] = input_ids
+        self.positions.np[:n] = [s.num_computed_tokens for s in steps]
+        self.input_ids.np[n:batch] = 0
+        self.positions.np[n:batch] = 0
+        self.input_ids.upload(batch)
+        self.positions.upload(batch)
         widest = 1
         for h, buf in self.holders.items():
             buf.clear(batch)
             plan = built.get(h)
-            if plan is None:
-                continue
-            r: HolderRows = rows[h]
-            q = slice(0, n) if r.query_rows is None else r.query_rows
-            w = plan.meta.block_ids.shape[1]
-            widest = max(widest, w)
-            buf.num_blocks[q] = plan.meta.num_blocks
-            buf.context_lens[q] = plan.meta.context_lens
-            buf.block_ids[q, :w] = plan.meta.block_ids
-            buf.block_indices[q, :w] = plan.meta.block_indices
-            buf.slot_mapping[slice(0, n) if r.new_rows is None else r.new_rows] = plan.slot_mapping
+            if plan is not None:
+                for s, ids, idx, slots, ctx in zip(
+                    plans[h], plan.block_ids, plan.block_indices, plan.slots, plan.context_lens, strict=True
+                ):
+                    r, k = row_of[s.seq_id], len(ids)
+                    widest = max(widest, k)
+                    buf.num_blocks.np[r] = k
+                    buf.context_lens.np[r] = ctx
+                    buf.block_ids.np[r, :k] = ids
+                    buf.block_indices.np[r, :k] = idx
+                    if slots:  # decode: one new token, stored on exactly one holder
+                        (buf.slot_mapping.np[r],) = slots
+            buf.upload(batch)
         return widest
 
     def _forward(self, batch: int, width: int | None) -> torch.Tensor:
@@ -210,25 +243,28 @@ class DecodeGraphs:
             w = buf.width if width is None else min(width, buf.width)
             meta = PartialAttentionMetadata(
                 query_start_loc=self.query_start_loc[: batch + 1],
-                query_positions=self.positions[:batch],
-                block_ids=buf.block_ids[:batch, :w],
-                block_indices=buf.block_indices[:batch, :w],
-                num_blocks=buf.num_blocks[:batch],
-                context_lens=buf.context_lens[:batch],
+                query_positions=self.positions.tensor[:batch],
+                block_ids=buf.block_ids.tensor[:batch, :w],
+                block_indices=buf.block_indices.tensor[:batch, :w],
+                num_blocks=buf.num_blocks.tensor[:batch],
+                context_lens=buf.context_lens.tensor[:batch],
             )
-            parts.append((buf.rmanager, meta, buf.slot_mapping[:batch]))
+            parts.append((buf.rmanager, meta, buf.slot_mapping.tensor[:batch]))
         attention = _StaticAttention(parts, self.merge)
-        return self.model(self.input_ids[:batch], self.positions[:batch], attention, self.logits_indices[:batch])
+        ids, positions = self.input_ids.tensor[:batch], self.positions.tensor[:batch]
+        return self.model(ids, positions, attention, self.logits_indices[:batch])
 
     @torch.inference_mode()
     def _capture(self) -> None:
         """Record one graph per bucket, largest first, sharing one memory pool (later graphs reuse it)."""
         pool = None
         for batch in reversed(self.buckets):
-            self.input_ids[:batch].zero_()
-            self.positions[:batch].zero_()
+            for staged in (self.input_ids, self.positions):
+                staged.np[:batch] = 0
+                staged.upload(batch)
             for buf in self.holders.values():
                 buf.clear(batch)
+                buf.upload(batch)
             self._forward(batch, None)  # warm-up: compiles the Triton kernels of these shapes, sizes cuBLAS
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

@@ -274,7 +274,7 @@ class DistAttention:
         new_rows: dict[HolderId, list[int]] = {}
         start = 0
         for s in seqs:
-            for holder in self._holders_of_step(s):
+            for holder in self.holders_of_step(s):
                 plans.setdefault(holder, []).append(s)
                 query_rows.setdefault(holder, []).extend(range(start, start + s.num_new))
                 new_rows.setdefault(holder, [])
@@ -285,7 +285,7 @@ class DistAttention:
         rows = {h: HolderRows(self._index(query_rows[h], start), self._index(new_rows[h], start)) for h in plans}
         return plans, rows
 
-    def _holders_of_step(self, s: SeqStep) -> list[HolderId]:
+    def holders_of_step(self, s: SeqStep) -> list[HolderId]:
         """Holders of an rBlock below the step's context, in table order."""
         table = self._tables.get(s.seq_id, [])
         num_blocks = -(-s.context_len // self.block_size)

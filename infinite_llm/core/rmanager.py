@@ -78,6 +78,25 @@ class StepPlan:
         return int(self.slot_mapping.shape[0])
 
 
+@dataclass(frozen=True)
+class PlanRows:
+    """One holder's share of a step as host lists, one entry per sequence of the step, in step order.
+
+    Attributes:
+        block_ids: per sequence, the physical ids of its rBlocks here that the step reads.
+        block_indices: per sequence, the logical index of each of those rBlocks.
+        slots: per sequence, the slots (``block_id * block_size + offset``) of its new tokens stored here.
+        context_lens: per sequence, tokens with KV after the step.
+        seq_versions: ``(seq_id, version)`` at planning (see :class:`StepPlan`).
+    """
+
+    block_ids: list[list[int]]
+    block_indices: list[list[int]]
+    slots: list[list[int]]
+    context_lens: list[int]
+    seq_versions: tuple[tuple[str, int], ...]
+
+
 class RManager:
     """KV memory of one holder: pool + paged KV ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
 
@@ -182,14 +201,13 @@ class RManager:
         return list(self._owned)
 
     # ---- attention ---------------------------------------------------------------------------------
-    def plan_step(self, seqs: Sequence[SeqStep]) -> StepPlan:
-        """Build the tensors every layer of a step reuses, from what this holder recorded at commit.
+    def plan_rows(self, seqs: Sequence[SeqStep]) -> PlanRows:
+        """What this holder contributes to a step, per sequence, as host lists (checked; nothing changes).
 
-        Each sequence's queries are all its ``num_new`` tokens (every holder of its context sees every
-        query); its keys are its rBlocks here with logical index below ``ceil(context_len / block_size)``;
-        the new tokens whose rBlock is here get slots. A sequence with no such rBlock is an empty part
-        (``lse = -inf``). Raises ``NotFound`` for a sequence that holds nothing here, ``InvalidRequest``
-        for bad counts or a sequence listed twice.
+        Each sequence's keys are its rBlocks here with logical index below ``ceil(context_len /
+        block_size)``; its new tokens whose rBlock is here get slots. A sequence with no such rBlock is an
+        empty part (``lse = -inf``). Raises ``NotFound`` for a sequence that holds nothing here,
+        ``InvalidRequest`` for bad counts or a sequence listed twice.
         """
         bs = self.layout.block_size
         seen: set[str] = set()
@@ -197,7 +215,9 @@ class RManager:
             if s.seq_id in seen:
                 raise InvalidRequest(f"sequence id {s.seq_id!r} appears twice in one step")
             seen.add(s.seq_id)
-        starts, positions, ctx, ids, idx, slots = [0], [], [], [], [], []
+        ids: list[list[int]] = []
+        idx: list[list[int]] = []
+        slots: list[list[int]] = []
         for s in seqs:
             owned = self._owned.get(s.seq_id)
             if not owned:
@@ -211,18 +231,32 @@ class RManager:
             visible = [(i, b) for i, b in owned.items() if i < num_blocks]
             idx.append([i for i, _ in visible])
             ids.append([b for _, b in visible])
+            seq_slots = []
             for pos in range(s.num_computed_tokens, s.context_len):
                 block = owned.get(pos // bs)
                 if block is not None:
-                    slots.append(block * bs + pos % bs)
+                    seq_slots.append(block * bs + pos % bs)
+            slots.append(seq_slots)
+        versions = tuple((s.seq_id, self._versions[s.seq_id]) for s in seqs)
+        return PlanRows(ids, idx, slots, [s.context_len for s in seqs], versions)
+
+    def plan_step(self, seqs: Sequence[SeqStep]) -> StepPlan:
+        """Build the tensors every layer of a step reuses, from what this holder recorded at commit.
+
+        Each sequence's queries are all its ``num_new`` tokens (every holder of its context sees every
+        query); keys and slots as :meth:`plan_rows` (which raises for bad steps).
+        """
+        rows = self.plan_rows(seqs)
+        starts, positions = [0], []
+        for s in seqs:
             positions.extend(range(s.num_computed_tokens, s.context_len))
             starts.append(starts[-1] + s.num_new)
-            ctx.append(s.context_len)
+        slots = [slot for seq_slots in rows.slots for slot in seq_slots]
         return StepPlan(
-            meta=self._metadata(starts, positions, ctx, ids, idx),
+            meta=self._metadata(starts, positions, rows.context_lens, rows.block_ids, rows.block_indices),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_tokens=starts[-1],
-            seq_versions=tuple((s.seq_id, self._versions[s.seq_id]) for s in seqs),
+            seq_versions=rows.seq_versions,
         )
 
     def _metadata(self, starts, positions, ctx, ids, idx) -> PartialAttentionMetadata:  # noqa: ANN001
