@@ -3,12 +3,13 @@
 #
 # Steps, each with its own time limit, each run even if an earlier one failed:
 #   1. pytest tests/kernels tests/engine: interpreted kernel tests, compiled CUDA kernel tests
-#      (tests/kernels/test_paged_attention_cuda.py); tests that need the downloaded SmolLM2 model skip
+#      (tests/kernels/test_paged_attention_cuda.py, test_fused_cuda.py), CUDA-graph decode vs eager
+#      (tests/engine/test_decode_graphs.py); tests that need the downloaded SmolLM2 model skip
 #      (INFINITE_LLM_TESTS_NO_DOWNLOAD=1: the GPU machine has no network).
 #   2. benchmarks/kernels_gpu.py: kernel vs torch reference, GPU time, KV TB/s vs 4.3 TB/s, tile/split sweep.
 #   3. benchmarks/engine_gpu.py: engine vs HF generate on a random-weight Llama-3.2-1B-shaped model.
-# Logs land in "$OUT" (default ./gpu_out): one <step>.log each, env.txt, summary.txt. Under ~8 minutes in
-# all (limits 120 + 120 + 210 s). The machine has plain python3 (no venv) with torch, triton, transformers.
+# Logs land in "$OUT" (default ./gpu_out): one <step>.log each, env.txt, summary.txt. Under ~9 minutes in
+# all (limits 180 + 120 + 210 s). The machine has plain python3 (no venv) with torch, triton, transformers.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
@@ -46,7 +47,7 @@ cat "$OUT/env.txt"
 
 if "$PY" -c 'import pytest' 2>/dev/null; then
     # --maxfail, not -x: one GPU session should report every broken kernel shape, not the first
-    run_step pytest 120 "$PY" -m pytest -q -ra --maxfail=10 -p no:cacheprovider tests/kernels tests/engine
+    run_step pytest 180 "$PY" -m pytest -q -ra --maxfail=10 -p no:cacheprovider tests/kernels tests/engine
 else
     SUMMARY+=("pytest: not installed, skipped")
 fi

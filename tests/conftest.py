@@ -23,8 +23,10 @@ NO_DOWNLOAD_ENV = "INFINITE_LLM_TESTS_NO_DOWNLOAD"
 def default_model_path():
     from infinite_llm.models.registry import DEFAULT_PACKAGE, fetch_default_model
 
-    if os.environ.get(NO_DOWNLOAD_ENV) == "1" and importlib.util.find_spec(DEFAULT_PACKAGE) is None:
-        pytest.skip(f"the default model ({DEFAULT_PACKAGE}) is not installed and {NO_DOWNLOAD_ENV}=1")
+    if os.environ.get(NO_DOWNLOAD_ENV) == "1":
+        missing = [m for m in (DEFAULT_PACKAGE, "gguf") if importlib.util.find_spec(m) is None]
+        if missing:  # the model, or the loader of its file format
+            pytest.skip(f"{', '.join(missing)} not installed and {NO_DOWNLOAD_ENV}=1")
     return fetch_default_model()
 
 
