@@ -283,6 +283,10 @@ def profile_decode_step(engine: LLMEngine, work: Workload, name: str = "engine")
     gpu = device_time(engine.step, work.profile_steps)
     engine.abort(rid)
     busy = f"{gpu.busy_us / wall_us:5.2f}" if torch.cuda.is_available() else "n/a (no CUDA)"
+    if name == "CUDA graphs":  # where the GPU time of a step goes: the next thing to cut
+        print("  GPU time per step by kernel (us, launches):")
+        for kernel, us, launches in gpu.by_name[:12]:
+            print(f"    {us:8.1f} us {launches:5.0f}x  {kernel[:100]}")
     print(f"{name:>11s} batch-1 decode step at {work.prompt_len} tokens: wall {wall_us / 1e3:7.3f} ms "
           f"({1e6 / wall_us:6.0f} tok/s), GPU busy {gpu.busy_us / 1e3:7.3f} ms, busy fraction {busy}, "
           f"{gpu.kernels:.0f} kernels per step")  # fmt: skip

@@ -24,6 +24,7 @@ class DeviceTime:
 
     busy_us: float  # kernels + memcpy + memset, microseconds
     kernels: float  # kernels launched (memcpy/memset not counted)
+    by_name: tuple[tuple[str, float, float], ...] = ()  # (kernel name, us per call, launches per call), slowest first
 
 
 def wall_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -54,7 +55,13 @@ def device_time(fn: Callable[[], object], iters: int, warmup: int = 1) -> Device
     gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in gpu)
     kernels = sum(1 for e in gpu if not e.name.startswith(("Memcpy", "Memset")))
-    return DeviceTime(busy / iters, kernels / iters)
+    totals: dict[str, list[float]] = {}
+    for e in gpu:
+        t = totals.setdefault(e.name, [0.0, 0.0])
+        t[0] += e.time_range.elapsed_us()
+        t[1] += 1
+    by_name = sorted(((n, us / iters, c / iters) for n, (us, c) in totals.items()), key=lambda r: -r[1])
+    return DeviceTime(busy / iters, kernels / iters, tuple(by_name))
 
 
 def sync() -> None:
