@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from infinite_llm.client.errors import error_from_rpc
+from infinite_llm.client.errors import InvalidRequest, MessageTooLarge, error_from_rpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.pb.v1 import router_pb2 as rpb
 from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
-from infinite_llm.rpc.options import channel_options
+from infinite_llm.rpc.options import MAX_MESSAGE_BYTES, channel_options
 from infinite_llm.services.generate_codec import sampling_to_proto
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -54,13 +54,28 @@ def _chunk(msg: gpb.GenerateResponse) -> CompletionChunk:
 
 
 def _request(prompt: str | list[int], request_id: str | None, model: str | None, **sampling) -> gpb.GenerateRequest:
-    req = gpb.GenerateRequest(
-        request_id=request_id or f"cmpl-{uuid.uuid4().hex}", model=model or "", sampling=sampling_to_proto(**sampling)
-    )
-    if isinstance(prompt, str):
-        req.text = prompt
-    else:
-        req.token_ids.ids.extend(prompt)
+    """The message of one request. Raises ``InvalidRequest`` for text that is not valid Unicode (a lone
+    UTF-16 surrogate: protobuf strings are UTF-8) and ``MessageTooLarge`` past the gRPC message limit."""
+    try:
+        req = gpb.GenerateRequest(
+            request_id=request_id or f"cmpl-{uuid.uuid4().hex}",
+            model=model or "",
+            sampling=sampling_to_proto(**sampling),
+        )
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"the request holds text that is not valid Unicode: {e.reason} ({e.object[e.start : e.end]!r})"
+        ) from None
+    if req.ByteSize() > MAX_MESSAGE_BYTES:  # gRPC would refuse it with RESOURCE_EXHAUSTED, as if the mesh were full
+        raise MessageTooLarge(
+            f"the request is {req.ByteSize()} bytes, over the {MAX_MESSAGE_BYTES}-byte gRPC message limit; "
+            "no model context is that long",
+            param="prompt",
+        )
     return req
 
 

@@ -3,23 +3,45 @@
 One small hierarchy, mapped once to gRPC status codes and HTTP statuses (by the rpc/ and gateway layers,
 which read ``grpc_code`` / ``http_status`` from here). Core code raises these and nothing else for bad input
 or exhausted capacity, so every caller can tell the user what went wrong and stay up.
+
+Each class names a ``reason`` of its own (``CONTEXT_LENGTH_EXCEEDED``, ``QUEUE_FULL``...): the wire name of
+the class. ``rpc/errors.py`` sends it with ``param`` beside the status code, and the receiving side rebuilds
+the exact class with :func:`error_class`, so no caller ever reads a message to learn what went wrong.
 """
 
 from __future__ import annotations
 
+_BY_REASON: dict[str, type[InfiniteLLMError]] = {}
+
 
 class InfiniteLLMError(Exception):
-    """Base class. ``grpc_code`` names a ``grpc.StatusCode`` member; ``http_status`` an HTTP status."""
+    """Base class. ``grpc_code`` names a ``grpc.StatusCode`` member; ``http_status`` an HTTP status;
+    ``reason`` the class on the wire (every subclass that crosses a process boundary declares its own)."""
 
     grpc_code = "INTERNAL"
     http_status = 500
     openai_type = "server_error"
     openai_code: str | None = None
+    reason = "INTERNAL"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "reason" in cls.__dict__:  # a class that declares a reason is the one rebuilt from it
+            other = _BY_REASON.setdefault(cls.reason, cls)
+            assert other is cls, f"reason {cls.reason!r} is taken by {other.__qualname__}"
+
+
+_BY_REASON[InfiniteLLMError.reason] = InfiniteLLMError
+
+
+def error_class(reason: str) -> type[InfiniteLLMError] | None:
+    """The class whose ``reason`` is ``reason`` (None for a reason this process does not know)."""
+    return _BY_REASON.get(reason)
 
 
 class InvalidRequest(InfiniteLLMError):
@@ -28,12 +50,20 @@ class InvalidRequest(InfiniteLLMError):
     grpc_code = "INVALID_ARGUMENT"
     http_status = 400
     openai_type = "invalid_request_error"
+    reason = "INVALID_REQUEST"
 
 
 class ContextLengthExceeded(InvalidRequest):
     """Prompt plus ``max_tokens`` is longer than the model's maximum length."""
 
     openai_code = "context_length_exceeded"
+    reason = "CONTEXT_LENGTH_EXCEEDED"
+
+
+class MessageTooLarge(InvalidRequest):
+    """A gRPC message is over the size limit both ends agree on (``rpc/options.MAX_MESSAGE_BYTES``)."""
+
+    reason = "MESSAGE_TOO_LARGE"
 
 
 class NotFound(InfiniteLLMError):
@@ -42,6 +72,15 @@ class NotFound(InfiniteLLMError):
     grpc_code = "NOT_FOUND"
     http_status = 404
     openai_type = "not_found_error"
+    reason = "NOT_FOUND"
+
+
+class ModelNotFound(NotFound):
+    """The request names a model the mesh does not serve (OpenAI: 404 ``model_not_found``)."""
+
+    openai_type = "invalid_request_error"
+    openai_code = "model_not_found"
+    reason = "MODEL_NOT_FOUND"
 
 
 class CapacityExhausted(InfiniteLLMError):
@@ -50,10 +89,14 @@ class CapacityExhausted(InfiniteLLMError):
     grpc_code = "RESOURCE_EXHAUSTED"
     http_status = 429
     openai_type = "rate_limit_error"
+    reason = "CAPACITY_EXHAUSTED"
 
 
-RETRY_LATER = "retry later"  # ends a CapacityExhausted message for a full queue: another instance may take it
-NEVER_FITS = "it can never fit"  # ends every KVCapacityExceeded message: survives a trip through gRPC status
+class QueueFull(CapacityExhausted):
+    """A compute instance's waiting queue is full: another instance may take the request (the router
+    tries the next one), and the same one may later."""
+
+    reason = "QUEUE_FULL"
 
 
 class KVCapacityExceeded(CapacityExhausted):
@@ -65,6 +108,7 @@ class KVCapacityExceeded(CapacityExhausted):
     http_status = 400
     openai_type = "invalid_request_error"
     openai_code = "context_length_exceeded"
+    reason = "KV_CAPACITY_EXCEEDED"
 
 
 class FailedPrecondition(InfiniteLLMError):
@@ -74,6 +118,7 @@ class FailedPrecondition(InfiniteLLMError):
     grpc_code = "FAILED_PRECONDITION"
     http_status = 400
     openai_type = "invalid_request_error"
+    reason = "FAILED_PRECONDITION"
 
 
 class Unavailable(InfiniteLLMError):
@@ -82,6 +127,7 @@ class Unavailable(InfiniteLLMError):
     grpc_code = "UNAVAILABLE"
     http_status = 503
     openai_type = "server_error"
+    reason = "UNAVAILABLE"
 
 
 class DeadlineExceeded(InfiniteLLMError):
@@ -90,6 +136,7 @@ class DeadlineExceeded(InfiniteLLMError):
     grpc_code = "DEADLINE_EXCEEDED"
     http_status = 504
     openai_type = "timeout_error"
+    reason = "DEADLINE_EXCEEDED"
 
 
 class Cancelled(InfiniteLLMError):
@@ -98,3 +145,4 @@ class Cancelled(InfiniteLLMError):
     grpc_code = "CANCELLED"
     http_status = 499
     openai_type = "server_error"
+    reason = "CANCELLED"

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from infinite_llm.core.errors import NEVER_FITS, InvalidRequest, KVCapacityExceeded, NotFound
+from infinite_llm.core.errors import InvalidRequest, KVCapacityExceeded, NotFound
 from infinite_llm.core.sampling import SamplingParams
 
 
@@ -124,7 +124,8 @@ class Scheduler:
         if need > self.blocks.num_total_blocks:
             raise KVCapacityExceeded(
                 f"request needs {need} rBlocks of {self.blocks.block_size} tokens, "
-                f"the KV memory holds {self.blocks.num_total_blocks} in all: {NEVER_FITS}"
+                f"the KV memory holds {self.blocks.num_total_blocks} in all: it can never fit",
+                param="prompt",
             )
         self.waiting.append(seq)
 

@@ -17,13 +17,12 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from infinite_llm.client import Client, InvalidRequest, NotFound
-from infinite_llm.core.errors import NEVER_FITS, CapacityExhausted, ContextLengthExceeded, KVCapacityExceeded
+from infinite_llm.client import Client, InvalidRequest
+from infinite_llm.core.errors import ContextLengthExceeded, KVCapacityExceeded, ModelNotFound
 from infinite_llm.models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
 from infinite_llm.services.admin import cluster_state
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
-from infinite_llm.services.gateway.errors import ModelNotFound, from_router
 from infinite_llm.state.etcd_launcher import free_port
 from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, wait_until
 
@@ -277,15 +276,21 @@ def test_request_larger_than_the_cluster_kv_memory_is_a_non_retryable_400(http, 
     assert wait_until(lambda: all_blocks_free(mesh))
 
 
-def test_router_errors_map_to_the_gateway_errors():
-    mapped = from_router(InvalidRequest("prompt (5 tokens) + max_tokens (9000) exceeds the model's maximum length"))
-    assert isinstance(mapped, ContextLengthExceeded) and mapped.openai_code == "context_length_exceeded"
-    assert isinstance(from_router(NotFound("model 'x' is not served here")), ModelNotFound)
-    assert type(from_router(InvalidRequest("top_p must be in (0, 1]"))) is InvalidRequest
-    never = from_router(CapacityExhausted(f"request needs 9 rBlocks, the KV memory holds 4 in all: {NEVER_FITS}"))
-    assert isinstance(never, KVCapacityExceeded) and never.http_status == 400
-    busy = from_router(CapacityExhausted("no rBlock free right now"))  # saturation stays a retryable 429
-    assert type(busy) is CapacityExhausted and busy.http_status == 429
+def test_router_errors_reach_the_gateway_as_their_exact_class_and_param(sdk, tokenizer):
+    """What the gateway receives through the SDK: the class (so the HTTP status and OpenAI type/code) and the
+    param the mesh raised, read from the status's reason, not from its message."""
+    with pytest.raises(ContextLengthExceeded) as e:
+        sdk.generate("hi", max_tokens=9000)
+    assert (e.value.param, e.value.http_status, e.value.openai_code) == ("max_tokens", 400, "context_length_exceeded")
+    with pytest.raises(ModelNotFound) as e:
+        sdk.generate("hi", max_tokens=2, model="gpt-17")
+    assert (e.value.param, e.value.http_status, e.value.openai_code) == ("model", 404, "model_not_found")
+    with pytest.raises(KVCapacityExceeded) as e:
+        sdk.generate(_ids(tokenizer, 3 * BLOCKS_PER_SERVER * BLOCK_SIZE), max_tokens=8)
+    assert (e.value.param, e.value.http_status, e.value.openai_code) == ("prompt", 400, "context_length_exceeded")
+    with pytest.raises(InvalidRequest) as e:
+        sdk.generate("hi", max_tokens=2, top_p=1.5)
+    assert type(e.value) is InvalidRequest and e.value.http_status == 400
 
 
 # ---- gateways built in-process: no router, an API key ---------------------------------------------------

@@ -41,6 +41,21 @@ def wrap_handler(handler: grpc.RpcMethodHandler | None, around: Around) -> grpc.
     return handler
 
 
+def behavior_of(handler: grpc.RpcMethodHandler) -> Callable:
+    """The behaviour of ``handler``, whatever its streaming kind."""
+    return next(getattr(handler, kind) for kind in _FACTORIES if getattr(handler, kind) is not None)
+
+
+def rebuild(
+    handler: grpc.RpcMethodHandler, behavior: Callable, request_deserializer: Callable | None
+) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind and response serializer with another behaviour and deserializer."""
+    kind = next(kind for kind in _FACTORIES if getattr(handler, kind) is not None)
+    return _FACTORIES[kind](
+        behavior, request_deserializer=request_deserializer, response_serializer=handler.response_serializer
+    )
+
+
 def _wrap(behavior: Callable, around: Around) -> Callable:
     if inspect.isasyncgenfunction(behavior):
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from infinite_llm.core.errors import RETRY_LATER, CapacityExhausted, InfiniteLLMError, Unavailable
+from infinite_llm.core.errors import InfiniteLLMError, QueueFull, Unavailable
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import LLMEngine, RequestOutput
 from infinite_llm.observability.metrics import EngineMetrics
@@ -49,7 +49,7 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, max_waiting: int = 1024) -> None:
         """``max_waiting``: requests queued behind the running batch before new ones are refused with
-        ``CapacityExhausted`` (RESOURCE_EXHAUSTED; HTTP 429 at the gateway): backpressure, not an unbounded
+        ``QueueFull`` (RESOURCE_EXHAUSTED; HTTP 429 at the gateway): backpressure, not an unbounded
         queue whose latency nobody can see."""
         self.engine = engine
         self.max_waiting = max_waiting
@@ -115,9 +115,9 @@ class EngineLoop:
     def _apply(self, cmd: _Submit | _Abort) -> None:
         if isinstance(cmd, _Submit) and len(self.engine.scheduler.waiting) >= self.max_waiting:
             cmd.sink(
-                CapacityExhausted(
+                QueueFull(
                     f"{len(self.engine.scheduler.waiting)} requests are already waiting for this compute instance "
-                    f"(the most it queues is {self.max_waiting}); {RETRY_LATER}"
+                    f"(the most it queues is {self.max_waiting}); retry later"
                 )
             )
             return

@@ -16,13 +16,12 @@ from typing import TypeVar
 import grpc
 
 from infinite_llm.client import AsyncClient
-from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.client.sdk import Completion, CompletionChunk
-from infinite_llm.core.errors import InfiniteLLMError, Unavailable
+from infinite_llm.core.errors import InfiniteLLMError, ModelNotFound, Unavailable
 from infinite_llm.pb.v1 import router_pb2 as rpb
 from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
+from infinite_llm.rpc.errors import error_from_rpc
 from infinite_llm.rpc.options import channel_options
-from infinite_llm.services.gateway.errors import ModelNotFound, from_router
 
 CARDS_TTL_S = 30.0  # the served model never changes under a running router; refresh now and then anyway
 T = TypeVar("T")
@@ -106,10 +105,9 @@ class RouterBackend:
             await chunks.aclose()
 
     def _from_router(self, e: InfiniteLLMError) -> InfiniteLLMError:
-        mapped = from_router(e)
-        if isinstance(mapped, ModelNotFound):
+        if isinstance(e, ModelNotFound):
             self._cards = None  # the router serves something else now: ask again next time
-        return mapped
+        return e
 
 
 async def gather_or_cancel(calls: list[Awaitable[T]]) -> list[T]:

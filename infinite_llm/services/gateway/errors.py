@@ -1,9 +1,9 @@
 """Errors of the REST gateway as OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}``.
 
-Every typed error (``infinite_llm.core.errors``, ``infinite_llm.client.errors``) carries its HTTP status and
-OpenAI type/code; this module adds the few that only the gateway raises, turns the router's errors into
-the gateway's (a context-length INVALID_ARGUMENT, an unknown model), and installs the FastAPI handlers,
-FastAPI's 422 for a malformed body included (OpenAI answers 400).
+Every typed error (``infinite_llm.core.errors``) carries its HTTP status and OpenAI type/code, and the
+router's errors arrive as their exact class with their param (``infinite_llm.rpc.errors``); this module
+adds the few that only the gateway raises and installs the FastAPI handlers, FastAPI's 422 for a malformed
+body included (OpenAI answers 400).
 """
 
 from __future__ import annotations
@@ -15,25 +15,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infinite_llm.core.errors import (
-    NEVER_FITS,
-    CapacityExhausted,
-    ContextLengthExceeded,
-    InfiniteLLMError,
-    InvalidRequest,
-    KVCapacityExceeded,
-    NotFound,
-)
+from infinite_llm.core.errors import InfiniteLLMError
 from infinite_llm.services.gateway.protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
-
-
-class ModelNotFound(NotFound):
-    """The request names a model the mesh does not serve (OpenAI: 404 ``model_not_found``)."""
-
-    openai_type = "invalid_request_error"
-    openai_code = "model_not_found"
 
 
 class AuthenticationFailed(InfiniteLLMError):
@@ -57,17 +42,6 @@ class RequestAborted(InfiniteLLMError):
     http_status = 503
     openai_type = "server_error"
     openai_code = "request_aborted"
-
-
-def from_router(e: InfiniteLLMError) -> InfiniteLLMError:
-    """The gateway's error for one the router raised: the router's status codes carry no ``param``."""
-    if isinstance(e, InvalidRequest) and "maximum length" in e.message:
-        return ContextLengthExceeded(e.message, param="max_tokens")
-    if isinstance(e, NotFound):
-        return ModelNotFound(e.message, param="model")
-    if isinstance(e, CapacityExhausted) and e.message.endswith(NEVER_FITS):
-        return KVCapacityExceeded(e.message, param="prompt")
-    return e
 
 
 def error_body(e: InfiniteLLMError) -> ErrorResponse:

@@ -14,19 +14,13 @@ import json
 from dataclasses import asdict, dataclass
 
 from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.ids import check_id
 
 LEADER_KEY = "leader"
 MEMBERS_PREFIX = "members/"
 LEDGER_PREFIX = "ledger/"
 
 LedgerEntries = list[tuple[str, int]]  # [(server_id, n_blocks)], one entry per server, first-placed first
-
-
-def check_id(kind: str, value: str) -> str:
-    """``value`` if it can be a key segment (non-empty, no ``/``); else :class:`InvalidRequest`."""
-    if not isinstance(value, str) or not value or "/" in value:
-        raise InvalidRequest(f"{kind} must be a non-empty string without '/', got {value!r}", param=kind)
-    return value
 
 
 @dataclass(frozen=True)

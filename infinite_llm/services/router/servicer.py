@@ -14,21 +14,22 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import CollectorRegistry
 
-from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.core.errors import (
-    RETRY_LATER,
     CapacityExhausted,
     InfiniteLLMError,
     InvalidRequest,
-    NotFound,
+    ModelNotFound,
+    QueueFull,
     Unavailable,
 )
+from infinite_llm.core.ids import check_id
 from infinite_llm.observability.metrics import RouterMetrics
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.pb.v1 import router_pb2 as rpb
 from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
 from infinite_llm.rpc.channels import aio_channel
+from infinite_llm.rpc.errors import error_from_rpc
 from infinite_llm.services.generate_codec import prompt_from_request, sampling_from_proto
 
 DEFAULT_TIMEOUT_S = 600.0  # a generation without a client deadline gets this long (seconds)
@@ -67,7 +68,9 @@ class RouterServicer(rgrpc.RouterServicer):
     # ---- generation ---------------------------------------------------------------------------------
     def _validate(self, request: gpb.GenerateRequest) -> gpb.GenerateRequest:
         if request.model and request.model != self.model_name:
-            raise NotFound(f"model {request.model!r} is not served here; try {self.model_name!r}", param="model")
+            raise ModelNotFound(f"model {request.model!r} is not served here; try {self.model_name!r}", param="model")
+        if request.request_id:  # before anything else: a bad id must not reach a compute instance or etcd
+            check_id("request_id", request.request_id)
         sampling_from_proto(request.sampling)  # raises InvalidRequest naming the bad parameter
         prompt = prompt_from_request(request)
         if not prompt:
@@ -124,13 +127,11 @@ class RouterServicer(rgrpc.RouterServicer):
             except grpc.RpcError as e:
                 # Before any token, an instance that is gone or whose queue is full is skipped for the next;
                 # when every one was, the caller gets the last refusal (UNAVAILABLE, or RESOURCE_EXHAUSTED).
-                queue_full = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").endswith(
-                    RETRY_LATER
-                )
-                if not sent and (e.code() == grpc.StatusCode.UNAVAILABLE or queue_full):
-                    last_error = error_from_rpc(e)
+                error = error_from_rpc(e)
+                if not sent and isinstance(error, Unavailable | QueueFull):
+                    last_error = error
                     continue
-                raise error_from_rpc(e) from None
+                raise error from None
             finally:
                 call.cancel()  # no-op when finished; frees the request downstream when the caller left
                 inst.in_flight -= 1
@@ -170,6 +171,6 @@ class RouterServicer(rgrpc.RouterServicer):
 
     async def Tokenize(self, request: rpb.TokenizeRequest, context) -> rpb.TokenizeResponse:  # noqa: N802, ANN001
         if request.model and request.model != self.model_name:
-            raise NotFound(f"model {request.model!r} is not served here", param="model")
+            raise ModelNotFound(f"model {request.model!r} is not served here", param="model")
         ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return rpb.TokenizeResponse(token_ids=ids)
