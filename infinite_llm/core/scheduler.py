@@ -6,19 +6,27 @@ cap and free rBlocks allow. When a running sequence needs an rBlock and none is 
 admitted running sequence is preempted by recompute: its blocks are freed and it goes back to the front
 of the waiting queue with its tokens so far, to be prefilled again (vLLM v1's policy). The scheduler talks
 to KV memory only through the small :class:`BlockManager` protocol, so the same code drives local
-partitions and remote attention servers. Source: vLLM v1 ``Scheduler.schedule``, nano-vllm ``scheduler.py``.
+partitions and remote attention servers. A placement refused for one sequence's own sake (its id, or a
+sequence released behind its back: :data:`REQUEST_ERRORS`) fails that sequence alone; the rest of the
+step goes on. Source: vLLM v1 ``Scheduler.schedule``, nano-vllm ``scheduler.py``.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from infinite_llm.core.errors import InvalidRequest, KVCapacityExceeded, NotFound
+from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, KVCapacityExceeded, NotFound
 from infinite_llm.core.sampling import SamplingParams
+
+# What ``try_allocate`` raises about one sequence: a bad id, an unknown or released sequence. Anything else
+# (an unreachable manager or server) concerns every sequence and propagates out of ``schedule``.
+REQUEST_ERRORS = (InvalidRequest, NotFound)
+log = logging.getLogger(__name__)
 
 
 class BlockManager(Protocol):
@@ -53,6 +61,7 @@ class Sequence:
     num_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    error: InfiniteLLMError | None = None  # why it finished with reason "error"
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
     first_scheduled_time: float | None = None
@@ -86,8 +95,11 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """``failed``: sequences finished with reason "error" this step (``seq.error`` says why)."""
+
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
+    failed: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -136,17 +148,22 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        failed: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, f"running sequence {seq.seq_id} has nothing to compute"
-            while not self._try_grow(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
+            try:
+                while not self._try_grow(seq, num_new):
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+            except REQUEST_ERRORS as e:
+                failed.append(self._fail(seq, e))
+                continue  # it left the running list: the next sequence is at i now
             if seq.status is not SequenceStatus.RUNNING:
                 break
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
@@ -155,7 +172,12 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._try_grow(seq, num_new):
+            try:
+                grown = self._try_grow(seq, num_new)
+            except REQUEST_ERRORS as e:
+                failed.append(self._fail(seq, e))
+                continue  # it left the waiting queue
+            if not grown:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -164,7 +186,16 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, failed)
+
+    def _fail(self, seq: Sequence, error: InfiniteLLMError) -> Sequence:
+        """Finish ``seq`` with reason "error" because of ``error``; its rBlocks are freed where possible."""
+        seq.error = error
+        try:
+            self.finish(seq, "error")
+        except REQUEST_ERRORS:  # the free failed for the same reason (e.g. its id): nothing was placed
+            log.warning("could not free the rBlocks of failed sequence %r", seq.seq_id[:64])
+        return seq
 
     def _try_grow(self, seq: Sequence, num_new: int) -> bool:
         """Give ``seq`` the rBlocks its next ``num_new`` tokens need; False (nothing changed) if none."""
@@ -203,7 +234,7 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             raise NotFound(f"sequence {seq.seq_id!r} already finished")
-        self.blocks.free(seq.seq_id)
-        seq.num_blocks = 0
-        seq.status = SequenceStatus.FINISHED
+        seq.status = SequenceStatus.FINISHED  # finished even if freeing raises
         seq.finish_reason = reason
+        seq.num_blocks = 0
+        self.blocks.free(seq.seq_id)

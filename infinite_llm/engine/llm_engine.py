@@ -19,6 +19,7 @@ from infinite_llm.core.config import DEFAULT_BLOCK_SIZE, ModelConfig
 from infinite_llm.core.decode_graphs import DecodeGraphs
 from infinite_llm.core.dist_attention import DistAttention, StepAttention
 from infinite_llm.core.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from infinite_llm.core.ids import check_id
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
 from infinite_llm.core.model import LlamaForCausalLM
 from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
@@ -117,10 +118,13 @@ class LLMEngine:
         """Validate and queue a request; returns its id.
 
         Raises:
-            InvalidRequest: empty prompt, token ids outside the vocabulary, duplicate request id.
+            InvalidRequest: empty prompt, token ids outside the vocabulary, a request id that breaks the
+                rule of ``core/ids.py`` or is already in use.
             ContextLengthExceeded: prompt + ``max_tokens`` exceeds the model's maximum length.
             CapacityExhausted: the request could never fit in the engine's KV memory.
         """
+        if request_id is not None:
+            check_id("request_id", request_id)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -172,13 +176,20 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, apply stop conditions. Returns one output per request
-        that produced a token or finished this step."""
+        that produced a token or finished this step, those that failed alone included (reason "error")."""
         out = self.scheduler.schedule()
+        failed = [self._failed_output(seq) for seq in out.failed]
         if not out.scheduled:
-            return []
+            return failed
         sampled = self.runner.run(out.scheduled)
         self.scheduler.mark_computed(out)
-        return self._process(out, sampled)
+        return failed + self._process(out, sampled)
+
+    def _failed_output(self, seq: Sequence) -> RequestOutput:
+        """The last output of a request the scheduler failed alone (its placement was refused)."""
+        final = self._finish_output(self._requests[seq.seq_id], drain=False)
+        final.error = seq.error
+        return final
 
     def _process(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         results = []
@@ -236,7 +247,8 @@ class LLMEngine:
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[RequestOutput]:
-        """Run ``prompts`` to completion together; returns final outputs in prompt order."""
+        """Run ``prompts`` to completion together; returns final outputs in prompt order (one that failed
+        alone has finish reason "error" and its ``error``)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(pr, pa) for pr, pa in zip(prompts, plist, strict=True)]
         final: dict[str, RequestOutput] = {}
@@ -252,6 +264,8 @@ class LLMEngine:
         try:
             while True:
                 for o in self.step():
+                    if o.request_id == rid and o.error is not None:
+                        raise o.error
                     if o.request_id == rid:
                         yield o
                         if o.finished:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestOutput:
-    """State of one request after a step. ``finish_reason`` is ``stop``, ``length`` or ``abort`` when done."""
+    """State of one request after a step. ``finish_reason`` is ``stop``, ``length`` or ``abort`` when done, or
+    ``error`` when this request alone failed (``error`` says why; the other requests go on)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -25,6 +26,7 @@ class RequestOutput:
     num_preemptions: int = 0
     arrival_time: float = 0.0  # monotonic seconds; the request's queue time is first_scheduled - arrival
     first_scheduled_time: float | None = None
+    error: Exception | None = None
 
     @property
     def prompt_tokens(self) -> int:

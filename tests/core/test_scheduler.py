@@ -101,3 +101,52 @@ def test_request_larger_than_all_kv_memory_is_refused_up_front():
     with pytest.raises(InvalidRequest, match="empty"):
         sched.add(Sequence("e", [], SamplingParams()))
     assert not sched.has_unfinished()
+
+
+class _Refusing(LocalPlacement):
+    """Refuses placement to one sequence for its own sake, as the manager refuses a bad id."""
+
+    def __init__(self, holders, refused: str, from_index: int = 0) -> None:  # noqa: ANN001
+        super().__init__(holders)
+        self.refused, self.from_index = refused, from_index
+
+    def place(self, seq_id, n, first_index):  # noqa: ANN001, ANN201
+        if seq_id == self.refused and first_index + n > self.from_index:
+            raise InvalidRequest(f"no placement for {seq_id!r}", param="seq_id")
+        return super().place(seq_id, n, first_index)
+
+
+def _refusing_sched(refused, from_index=0, num_blocks=16, budget=64):  # noqa: ANN001, ANN202
+    holders = {partition_id(0): RManager(num_blocks, LAYOUT)}
+    kv = DistAttention(_Refusing(holders, refused, from_index), LocalTransport(holders), LAYOUT.block_size)
+    return Scheduler(SchedulerConfig(8, budget), kv), kv
+
+
+def test_a_waiting_sequence_whose_placement_is_refused_fails_alone():
+    sched, kv = _refusing_sched("b")
+    a, b, c = _seq("a", 5), _seq("b", 3), _seq("c", 2)
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [("a", 5), ("c", 2)]
+    assert out.failed == [b] and out.preempted == []
+    assert (b.status, b.finish_reason, type(b.error), b.error.param) == (
+        SequenceStatus.FINISHED,
+        "error",
+        InvalidRequest,
+        "seq_id",
+    )
+    assert [s.seq_id for s in sched.running] == ["a", "c"] and not sched.waiting
+    assert [r.block_id for r in kv.block_table("a")] == [0, 1] and [r.block_id for r in kv.block_table("c")] == [2]
+
+
+def test_a_running_sequence_refused_a_new_block_fails_alone_and_frees_its_blocks():
+    sched, kv = _refusing_sched("a", from_index=1)  # a gets block 0, then is refused its 2nd
+    a, b = _seq("a", 4, max_tokens=8), _seq("b", 3, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    _run(sched, sched.schedule())  # a: block 0 (4 tokens), b: block 1
+    out = sched.schedule()  # a's 5th token needs block index 1: refused; b decodes in block 1
+    assert [(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in out.scheduled] == [("b", 3, 1)]
+    assert out.failed == [a] and out.preempted == [] and a.finish_reason == "error"
+    assert kv.block_table("a") == [] and kv.num_free_blocks == 15 and sched.running == [b]

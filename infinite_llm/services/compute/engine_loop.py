@@ -3,7 +3,9 @@
 gRPC handlers run on an asyncio loop; the engine (model + scheduler + remote attention) runs on its own
 thread, since a step is seconds of blocking compute and RPCs. Handlers ``submit`` a request with a sink
 (called on the engine thread with each ``RequestOutput`` or an exception) and ``abort`` it; the loop applies
-commands between steps, so the engine itself stays single-threaded (its contract).
+commands between steps, so the engine itself stays single-threaded (its contract). A request that fails
+alone (its submit, or its placement in a step: ``RequestOutput.error``) fails its own sink only; a step
+that fails as a whole fails every request (after recovery attempts when an attention server is lost).
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.sync_preemptions()
         for out in outputs:
+            if out.error is not None:
+                self._fail_one(out.request_id, out.error)
+                continue
             self.generated_tokens += len(out.new_token_ids)
             self._observe(out)
             sink = self._sinks.get(out.request_id)
@@ -209,6 +214,15 @@ class EngineLoop:
             return
         log.warning("attention server lost (%s); recomputing %d sequences (attempt %d)", error, n, self._failures)
         time.sleep(RECOVERY_BACKOFF_S * self._failures)
+
+    def _fail_one(self, request_id: str, error: Exception) -> None:
+        """Deliver ``error`` to one request the engine already dropped; the others go on."""
+        log.info("request %s failed alone: %s", request_id[:64], error)
+        self._contexts.pop(request_id, None)
+        self._last_token_at.pop(request_id, None)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink(error)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, sink in list(self._sinks.items()):

@@ -1,0 +1,98 @@
+"""The compute instance's engine thread over real attention servers (gRPC on loopback): a request that fails
+alone (a bad id, a placement refused for its own sake, before or after it holds rBlocks) fails that request
+only; the requests beside it finish with the in-process engine's greedy tokens and every rBlock is freed."""
+
+import threading
+
+import pytest
+
+from infinite_llm.core.dist_attention import DistAttention
+from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.rmanager import KVLayout
+from infinite_llm.core.sampling import SamplingParams
+from infinite_llm.engine import EngineConfig, LLMEngine, RequestOutput
+from infinite_llm.pb.v1 import attention_server_pb2 as pb
+from infinite_llm.services.compute.engine_loop import EngineLoop
+from infinite_llm.services.compute.grpc_transport import GrpcTransport
+from tests.services.attention.helpers import TablePlacement
+
+BLOCKS = 64  # per server
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+class RefusingPlacement(TablePlacement):
+    """Round-robin over the servers; refuses rBlocks as the manager refuses a placement about one sequence:
+    ``refused-now-*`` at once, ``refused-late-*`` from logical block 2 on (it already holds two)."""
+
+    def place(self, seq_id, n, first_index):  # noqa: ANN001, ANN201
+        if seq_id.startswith("refused-now"):
+            raise InvalidRequest(f"placement of {seq_id!r} refused", param="seq_id")
+        if seq_id.startswith("refused-late") and first_index + n > 2:
+            raise NotFound(f"no placement for sequence {seq_id!r}")
+        self.servers.setdefault(seq_id, ["A", "B"] * 100)
+        return super().place(seq_id, n, first_index)
+
+
+@pytest.fixture
+def loop_over_servers(default_weights, make_pair):
+    model_config, state_dict, tokenizer = default_weights
+    layout = KVLayout(model_config.num_hidden_layers, 4, model_config.num_key_value_heads, model_config.head_dim)
+    pairs = {s: make_pair(BLOCKS, layout, s, mirrored=False) for s in ("A", "B")}
+    placement = RefusingPlacement(pairs)
+    placement.num_total_blocks = 2 * BLOCKS
+    kv = DistAttention(placement, GrpcTransport(lambda s: pairs[s].address, timeout_s=30), block_size=4)
+    engine = LLMEngine.from_weights(model_config, state_dict, tokenizer, EngineConfig(block_size=4), kv=kv)
+    loop = EngineLoop(engine)
+    loop.start()
+    yield loop, pairs
+    loop.stop()
+
+
+class Collected:
+    """A sink that keeps the last output or the error of one request."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.final: RequestOutput | None = None
+        self.error: Exception | None = None
+
+    def __call__(self, out: RequestOutput | Exception) -> None:
+        if isinstance(out, Exception):
+            self.error = out
+            self.done.set()
+        elif out.finished:
+            self.final = out
+            self.done.set()
+
+
+def test_a_request_that_fails_alone_leaves_the_others_correct(loop_over_servers, make_engine):
+    loop, pairs = loop_over_servers
+    local = make_engine(block_size=4, num_partitions=2, num_kv_blocks=2 * BLOCKS)
+    ids = local.tokenizer.encode("the quick brown fox jumps over the lazy dog while a small cat watches " * 2)
+    prompts = {f"good-{n}": ids[:n] for n in (3, 7, 13)}
+    want = dict(zip(prompts, (o.token_ids for o in local.generate(list(prompts.values()), PARAMS)), strict=True))
+
+    bad = {"a/b": ids[:5], "x" * 2_000_000: ids[:5], "refused-now-1": ids[:5], "refused-late-1": ids[:5]}
+    sinks = {rid: Collected() for rid in (*prompts, *bad)}
+    for rid, prompt in [*prompts.items(), *bad.items()]:  # all in flight together
+        loop.submit(rid, prompt, PARAMS, sinks[rid])
+    for sink in sinks.values():
+        assert sink.done.wait(120)
+
+    assert {rid: sinks[rid].final.token_ids for rid in prompts} == want
+    assert all(sinks[rid].error is None and sinks[rid].final.finish_reason == "length" for rid in prompts)
+    errors = {rid[:16]: (type(sinks[rid].error), sinks[rid].error.param) for rid in bad}
+    assert errors == {
+        "a/b": (InvalidRequest, "request_id"),
+        "x" * 16: (InvalidRequest, "request_id"),
+        "refused-now-1": (InvalidRequest, "seq_id"),
+        "refused-late-1": (NotFound, None),
+    }
+    for pair in pairs.values():  # every rBlock back on the free list, the late-refused one's two included
+        stats = pair.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        assert (stats.num_free, stats.num_reserved, stats.num_sequences) == (BLOCKS, 0, 0)
+    assert not loop._sinks and loop.num_running == loop.num_waiting == 0
+
+    again = Collected()  # the loop still serves
+    loop.submit("good-again", prompts["good-7"], PARAMS, again)
+    assert again.done.wait(120) and again.final.token_ids == want["good-7"]
