@@ -273,12 +273,27 @@ def serve_gateway(
         ),
     ] = None,
     model: Model = None,
+    special_tokens_in_messages: Annotated[
+        bool,
+        typer.Option(
+            help="Parse special-token text (e.g. <|im_end|>) in chat message content as control tokens. "
+            "Only for trusted callers: it lets a message end its turn and forge another role's. "
+            "Default: content is plain text."
+        ),
+    ] = False,
 ) -> None:
     """OpenAI-compatible REST gateway: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     from infinite_llm.services.gateway.server import GatewayConfig, serve
 
     try:
-        config = GatewayConfig(router=router, host=host, port=port, api_key=api_key, model=model)
+        config = GatewayConfig(
+            router=router,
+            host=host,
+            port=port,
+            api_key=api_key,
+            model=model,
+            special_tokens_in_messages=special_tokens_in_messages,
+        )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     asyncio.run(serve(config))

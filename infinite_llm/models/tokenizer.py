@@ -9,6 +9,8 @@ caches the result with :meth:`Tokenizer.save`). Everything is offline: the HF hu
 from __future__ import annotations
 
 import os
+import re
+import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,10 +88,63 @@ class Tokenizer:
             raise InvalidRequest("this model has no chat template; send a plain completion prompt", param="messages")
         return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat; the template holds the special tokens, so none are added."""
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template holds the special tokens, so none are added.
+
+        Message content is text: a message whose content spells a special token (``<|im_end|>``) gets
+        that text's ordinary tokens, never the control token, so no message can close its turn and forge
+        another role's (OpenAI treats content as text too). Content without special-token text encodes
+        exactly as the whole rendered chat does. ``special_tokens_in_content=True`` parses special tokens
+        in content as well (the behaviour before; for trusted callers who write raw control tokens).
+
+        Raises :class:`InvalidRequest` when the model has no chat template, or when content holds
+        special-token text and the template alters content so it cannot be kept apart.
+        """
         text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        if special_tokens_in_content or not any(self._holds_special_text(m.get("content")) for m in messages):
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_chat_with_plain_content(messages, add_generation_prompt, text)
+
+    def _holds_special_text(self, content: Any) -> bool:
+        """Whether ``content`` spells any special added token (``all_special_tokens`` lists only the
+        named ones: bos, eos...; SmolLM2 has 17 special tokens)."""
+        if not isinstance(content, str):
+            return False
+        return any(t.special and t.content in content for t in self.hf.added_tokens_decoder.values())
+
+    def _encode_chat_with_plain_content(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, rendered: str
+    ) -> list[int]:
+        """Render with a unique marker in place of each content, then encode the template's pieces with
+        special tokens parsed and each content with them split into ordinary tokens."""
+        nonce = uuid.uuid4().hex
+        marked = [
+            {**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.apply_chat_template(marked, add_generation_prompt))
+        # pieces alternate: template text, message index, template text, ...
+        contents = [messages[int(i)]["content"] for i in pieces[1::2]]
+        if "".join(p for pair in zip(pieces[::2], [*contents, ""], strict=True) for p in pair) != rendered:
+            raise InvalidRequest(
+                "message content holds special-token text and this model's chat template changes content, so "
+                "it cannot be encoded as plain text",
+                param="messages",
+            )
+        ids: list[int] = []
+        for n, piece in enumerate(pieces):
+            if n % 2 == 0:
+                ids += self.hf.encode(piece, add_special_tokens=False)
+            else:
+                ids += self.hf.encode(
+                    messages[int(piece)]["content"], add_special_tokens=False, split_special_tokens=True
+                )
+        return ids
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         """A fresh streaming detokenizer for one sequence whose prompt was ``prompt_ids``."""

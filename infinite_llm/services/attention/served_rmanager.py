@@ -17,7 +17,12 @@ from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import InvalidRequest, NotFound
 from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
 from infinite_llm.services.attention.types import HolderStats, ServerStep
-from infinite_llm.services.attention.validation import check_layer, check_payload, check_step_open
+from infinite_llm.services.attention.validation import (
+    check_layer,
+    check_payload,
+    check_payload_values,
+    check_step_open,
+)
 
 RESERVATION_TTL_S = 60.0  # an uncommitted reservation older than this was orphaned (seconds)
 
@@ -164,7 +169,8 @@ class ServedRManager:
 
     def finish_import(self, reservation: Reservation, block_indices: list[int], payload: torch.Tensor) -> list[int]:
         """Write ``payload`` (shape as :meth:`export_blocks`) into the reserved rBlocks, then commit them at
-        logical ``block_indices``."""
+        logical ``block_indices``. Raises ``InvalidRequest`` (nothing written) for NaN or inf values."""
+        check_payload_values(payload)
         index = torch.tensor(reservation.block_ids, dtype=torch.int64, device=self.rm.k_cache.device)
         self.rm.k_cache.index_copy_(1, index, payload[0].to(self.rm.k_cache.device))
         self.rm.v_cache.index_copy_(1, index, payload[1].to(self.rm.v_cache.device))

@@ -41,6 +41,13 @@ def check_layer(
             raise InvalidRequest(f"{name} holds NaN or infinite values")
 
 
+def check_payload_values(payload: torch.Tensor) -> None:
+    """A block-transfer payload must be finite: a NaN or inf key/value would poison every attention over
+    the rBlock (softmax of NaN is NaN), for its sequence and silently."""
+    if not bool(torch.isfinite(payload).all()):
+        raise InvalidRequest("payload holds NaN or infinite values", param="payload")
+
+
 def check_payload(shape: list[int], dtype: torch.dtype, layout: KVLayout) -> int:
     """Validate a block-transfer payload ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
 

@@ -91,10 +91,15 @@ def api_key_check(api_key: str | None) -> Callable[..., Awaitable[None]]:
     return check
 
 
-async def generate(request: Request, backend: RouterBackend, body: CompletionRequest | ChatCompletionRequest):  # noqa: ANN201
+async def generate(
+    request: Request,
+    backend: RouterBackend,
+    body: CompletionRequest | ChatCompletionRequest,
+    special_tokens_in_messages: bool = False,
+):  # noqa: ANN201
     """Shared body of both generation endpoints."""
     chat = isinstance(body, ChatCompletionRequest)
-    plan = await handlers.plan(backend, body, "chatcmpl" if chat else "cmpl")
+    plan = await handlers.plan(backend, body, "chatcmpl" if chat else "cmpl", special_tokens_in_messages)
     if not body.stream:
         outs = await until_disconnect(request, handlers.run_to_end(backend, plan))
         return handlers.chat_response(plan, outs) if chat else handlers.completion_response(plan, outs)
@@ -138,8 +143,11 @@ def install_metrics(app: FastAPI) -> None:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(backend: RouterBackend, api_key: str | None = None) -> FastAPI:
-    """The gateway over ``backend``; ``api_key`` (None: no check) guards every ``/v1`` route."""
+def create_app(backend: RouterBackend, api_key: str | None = None, special_tokens_in_messages: bool = False) -> FastAPI:
+    """The gateway over ``backend``; ``api_key`` (None: no check) guards every ``/v1`` route.
+
+    ``special_tokens_in_messages``: chat message content that spells a special token (``<|im_end|>``)
+    becomes that control token, as before; off by default, when content is always plain text."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -158,7 +166,7 @@ def create_app(backend: RouterBackend, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):  # noqa: ANN202
-        return await generate(request, backend, body)
+        return await generate(request, backend, body, special_tokens_in_messages)
 
     @v1.get("/models")
     async def models() -> ModelList:

@@ -50,8 +50,9 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:  #
     return prompts
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:  # noqa: ANN001
-    """The model's chat template over ``messages``, tokenized without adding special tokens (as the CLI does)."""
+def chat_prompt(messages: list[ChatMessage], tokenizer, special_tokens_in_content: bool = False) -> list[int]:  # noqa: ANN001
+    """The model's chat template over ``messages``, tokenized without adding special tokens. Content is plain
+    text (``<|im_end|>`` in a message is not the control token) unless ``special_tokens_in_content``."""
     rendered = []
     for i, m in enumerate(messages):
         content = m.content or ""
@@ -60,15 +61,28 @@ def chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:  # noqa: A
                 raise InvalidRequest("only text content parts are supported", param=f"messages.{i}.content")
             content = "".join(part.text or "" for part in content)
         rendered.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return tokenizer.encode_chat(rendered, add_generation_prompt=True)
+    return tokenizer.encode_chat(
+        rendered, add_generation_prompt=True, special_tokens_in_content=special_tokens_in_content
+    )
 
 
-async def plan(backend: RouterBackend, req: CompletionRequest | ChatCompletionRequest, prefix: str) -> params.Plan:
-    """Validate ``req`` at the gateway (model, unsupported fields, context length) and build its ``Plan``."""
+async def plan(
+    backend: RouterBackend,
+    req: CompletionRequest | ChatCompletionRequest,
+    prefix: str,
+    special_tokens_in_content: bool = False,
+) -> params.Plan:
+    """Validate ``req`` at the gateway (text, model, unsupported fields, context length) and build its ``Plan``.
+
+    ``special_tokens_in_content``: chat message content may spell control tokens (trusted callers only)."""
+    params.reject_invalid_text(req)
     params.reject_unsupported(req)
     card = await backend.model(req.model)
     chat = isinstance(req, ChatCompletionRequest)
-    prompts = [chat_prompt(req.messages, backend.tokenizer)] if chat else completion_prompts(req, backend.tokenizer)
+    if chat:
+        prompts = [chat_prompt(req.messages, backend.tokenizer, special_tokens_in_content)]
+    else:
+        prompts = completion_prompts(req, backend.tokenizer)
     max_tokens = min(params.max_tokens(req, len(p), card.max_model_len, chat) for p in prompts)
     return params.Plan(
         id=f"{prefix}-{uuid.uuid4().hex}",

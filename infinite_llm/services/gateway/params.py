@@ -45,6 +45,36 @@ class Plan:
         return out
 
 
+def reject_invalid_text(req: SamplingFields) -> None:
+    """400 naming the first string of the body that is not valid Unicode: JSON may carry a lone UTF-16
+    surrogate (``"\\ud800"``, what a client sends after cutting a string between an emoji's halves), which
+    no tokenizer, protobuf field or UTF-8 response can hold."""
+    found = _invalid_text(req.model_dump(exclude_none=True), "")
+    if found is not None:
+        where, char = found
+        raise InvalidRequest(
+            f"{where or 'the request'} is not valid Unicode text: it holds a lone UTF-16 surrogate ({char})",
+            param=where or None,
+        )
+
+
+def _invalid_text(value: object, where: str) -> tuple[str, str] | None:
+    """``(path, escaped character)`` of the first string in ``value`` that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return where, ascii(value[e.start])
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and (bad_key := _invalid_text(key, where)) is not None:
+            return bad_key  # named by the object that holds the key: the key cannot be printed
+        if (found := _invalid_text(item, f"{where}.{key}" if where else str(key))) is not None:
+            return found
+    return None
+
+
 def reject_unsupported(req: SamplingFields) -> None:
     """400 for fields the engine cannot honour, instead of silently ignoring them."""
     if req.stream_options is not None and not req.stream:

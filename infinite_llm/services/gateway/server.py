@@ -26,7 +26,9 @@ class GatewayConfig:
 
     ``router``: the Router's HOST:PORT. ``api_key``: required as ``Authorization: Bearer <key>`` on ``/v1``;
     None (or "") serves without one. ``model``: where the tokenizer and chat template come from; the model
-    the mesh serves (None: the default model).
+    the mesh serves (None: the default model). ``special_tokens_in_messages``: parse special-token text in
+    chat message content as control tokens (only for trusted callers: a user could forge a turn); off by
+    default, when content is plain text as OpenAI treats it.
     """
 
     router: str = "127.0.0.1:50051"
@@ -34,6 +36,7 @@ class GatewayConfig:
     port: int = 8000
     api_key: str | None = None
     model: str | None = None
+    special_tokens_in_messages: bool = False
 
     def __post_init__(self) -> None:
         host, _, port = self.router.rpartition(":")
@@ -51,7 +54,11 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     resolved = resolve_model(config.model)
     tokenizer = load_tokenizer(resolved, load_model_config(resolved))
-    return create_app(RouterBackend(config.router, tokenizer), api_key=config.api_key)
+    return create_app(
+        RouterBackend(config.router, tokenizer),
+        api_key=config.api_key,
+        special_tokens_in_messages=config.special_tokens_in_messages,
+    )
 
 
 async def serve(config: GatewayConfig) -> None:

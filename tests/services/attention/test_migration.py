@@ -1,6 +1,8 @@
 """Migration between attention servers: ExportBlocks streams a sequence's rBlocks, ImportBlocks publishes them
 only after the whole stream arrived, and attention on the new holder equals attention on the old one."""
 
+import math
+import struct
 import threading
 import time
 
@@ -115,12 +117,25 @@ def _overflow(chunks):
     return [*chunks, pb.BlockTransferChunk(data=b"x")]
 
 
+def _with_value(value: float):
+    """One fp32 value of the payload (the 2nd of its 2nd chunk) replaced by ``value``."""
+
+    def mutate(chunks):
+        data = chunks[2].data
+        chunks[2].data = data[:4] + struct.pack("<f", value) + data[8:]
+        return chunks
+
+    return mutate
+
+
 BAD_IMPORTS = {
     "truncated": (_truncated, "payload ended after 4000 of 4608 bytes"),
     "no_header": (_no_header, "must start with a header"),
     "two_headers": (_two_headers, "exactly one header"),
     "wrong_layout": (_wrong_layout, "does not match this server's layout"),
     "overflow": (_overflow, "overflows its declared size"),
+    "nan": (_with_value(math.nan), "NaN or infinite"),
+    "inf": (_with_value(-math.inf), "NaN or infinite"),
 }
 
 
