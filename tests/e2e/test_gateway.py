@@ -231,8 +231,16 @@ def _valid(http) -> None:
             "messages",
             "context_length_exceeded",
         ),
-        ("/v1/completions", {"prompt": "hi", "stop": [""], "max_tokens": 2}, 400, "invalid_request_error", None, None),
-        ("/v1/completions", {"prompt": [1, 2, 10**6], "max_tokens": 2}, 400, "invalid_request_error", None, None),
+        # Raised in the mesh: the param crosses gRPC with the error's class (it was lost before, None).
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": [""], "max_tokens": 2},
+            400,
+            "invalid_request_error",
+            "stop",
+            None,
+        ),
+        ("/v1/completions", {"prompt": [1, 2, 10**6], "max_tokens": 2}, 400, "invalid_request_error", "prompt", None),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_the_gateway_keeps_serving(http, path, body, status, kind, param, code):
