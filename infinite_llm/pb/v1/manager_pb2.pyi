@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("server_id", "address", "capacity_blocks", "block_size", "kind")
+    __slots__ = ("server_id", "address", "capacity_blocks", "block_size", "kind", "node_name")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     address: str
     capacity_blocks: int
     block_size: int
     kind: str
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    node_name: str
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kind: _Optional[str] = ..., node_name: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("lease_ttl_s",)
@@ -43,18 +45,20 @@ class HeartbeatResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("seq_id", "num_blocks", "near_server_id", "first_block_index", "block_size")
+    __slots__ = ("seq_id", "num_blocks", "near_server_id", "first_block_index", "block_size", "instance_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEAR_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_blocks: int
     near_server_id: str
     first_block_index: int
     block_size: int
-    def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., near_server_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., near_server_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., block_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class BlockGrant(_message.Message):
     __slots__ = ("server_id", "address", "block_ids")
@@ -89,7 +93,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerState(_message.Message):
-    __slots__ = ("server_id", "address", "capacity_blocks", "free_blocks", "used_blocks", "num_sequences", "block_size")
+    __slots__ = ("server_id", "address", "capacity_blocks", "free_blocks", "used_blocks", "num_sequences", "block_size", "node_name")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +101,7 @@ class ServerState(_message.Message):
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     address: str
     capacity_blocks: int
@@ -104,15 +109,18 @@ class ServerState(_message.Message):
     used_blocks: int
     num_sequences: int
     block_size: int
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    node_name: str
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., node_name: _Optional[str] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
-    __slots__ = ("seq_id", "shares")
+    __slots__ = ("seq_id", "shares", "instance_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     shares: _containers.RepeatedCompositeFieldContainer[KVShare]
-    def __init__(self, seq_id: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[KVShare, _Mapping]]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, seq_id: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[KVShare, _Mapping]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class KVShare(_message.Message):
     __slots__ = ("server_id", "num_blocks")
@@ -123,9 +131,89 @@ class KVShare(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterStateResponse(_message.Message):
-    __slots__ = ("servers", "ledger")
+    __slots__ = ("servers", "ledger", "compute_instances")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerState]
     ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ...) -> None: ...
+    compute_instances: _containers.RepeatedCompositeFieldContainer[ComputeInstanceState]
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., compute_instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ...) -> None: ...
+
+class RegisterComputeRequest(_message.Message):
+    __slots__ = ("instance_id", "address", "home_server_ids", "node_name")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOME_SERVER_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    home_server_ids: _containers.RepeatedScalarFieldContainer[str]
+    node_name: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., home_server_ids: _Optional[_Iterable[str]] = ..., node_name: _Optional[str] = ...) -> None: ...
+
+class RegisterComputeResponse(_message.Message):
+    __slots__ = ("lease_ttl_s",)
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_s: int
+    def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
+
+class HeartbeatComputeRequest(_message.Message):
+    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    num_running: int
+    num_waiting: int
+    num_tokens_held: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ...) -> None: ...
+
+class HeartbeatComputeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeregisterComputeRequest(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterComputeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListComputeInstancesRequest(_message.Message):
+    __slots__ = ("include_debts",)
+    INCLUDE_DEBTS_FIELD_NUMBER: _ClassVar[int]
+    include_debts: bool
+    def __init__(self, include_debts: _Optional[bool] = ...) -> None: ...
+
+class ComputeInstanceState(_message.Message):
+    __slots__ = ("instance_id", "address", "home_server_ids", "node_name", "num_running", "num_waiting", "num_tokens_held", "debt_blocks", "heartbeat_age_s")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOME_SERVER_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
+    DEBT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    home_server_ids: _containers.RepeatedScalarFieldContainer[str]
+    node_name: str
+    num_running: int
+    num_waiting: int
+    num_tokens_held: int
+    debt_blocks: int
+    heartbeat_age_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., home_server_ids: _Optional[_Iterable[str]] = ..., node_name: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., debt_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+
+class ListComputeInstancesResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[ComputeInstanceState]
+    def __init__(self, instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ...) -> None: ...

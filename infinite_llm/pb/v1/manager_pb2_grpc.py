@@ -59,6 +59,26 @@ class GlobalManagerStub:
                 request_serializer=infinite__llm_dot_v1_dot_manager__pb2.ClusterStateRequest.SerializeToString,
                 response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.ClusterStateResponse.FromString,
                 _registered_method=True)
+        self.RegisterCompute = channel.unary_unary(
+                '/infinite_llm.v1.GlobalManager/RegisterCompute',
+                request_serializer=infinite__llm_dot_v1_dot_manager__pb2.RegisterComputeRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.RegisterComputeResponse.FromString,
+                _registered_method=True)
+        self.HeartbeatCompute = channel.unary_unary(
+                '/infinite_llm.v1.GlobalManager/HeartbeatCompute',
+                request_serializer=infinite__llm_dot_v1_dot_manager__pb2.HeartbeatComputeRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.HeartbeatComputeResponse.FromString,
+                _registered_method=True)
+        self.DeregisterCompute = channel.unary_unary(
+                '/infinite_llm.v1.GlobalManager/DeregisterCompute',
+                request_serializer=infinite__llm_dot_v1_dot_manager__pb2.DeregisterComputeRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.DeregisterComputeResponse.FromString,
+                _registered_method=True)
+        self.ListComputeInstances = channel.unary_unary(
+                '/infinite_llm.v1.GlobalManager/ListComputeInstances',
+                request_serializer=infinite__llm_dot_v1_dot_manager__pb2.ListComputeInstancesRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.ListComputeInstancesResponse.FromString,
+                _registered_method=True)
 
 
 class GlobalManagerServicer:
@@ -100,6 +120,36 @@ class GlobalManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterCompute(self, request, context):
+        """A compute instance joins under its own lease (kept alive by HeartbeatCompute) and names its home
+        attention servers. INVALID_ARGUMENT for a bad id, address or home id; UNAVAILABLE on a follower.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatCompute(self, request, context):
+        """Batch size, queue and tokens held; NOT_FOUND when the instance is unknown or its lease expired
+        (it must register again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterCompute(self, request, context):
+        """Leave now (revokes the lease). NOT_FOUND for an instance that is not registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListComputeInstances(self, request, context):
+        """The live compute instances (the router follows this list).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GlobalManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +177,26 @@ def add_GlobalManagerServicer_to_server(servicer, server):
                     servicer.GetClusterState,
                     request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.ClusterStateRequest.FromString,
                     response_serializer=infinite__llm_dot_v1_dot_manager__pb2.ClusterStateResponse.SerializeToString,
+            ),
+            'RegisterCompute': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterCompute,
+                    request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.RegisterComputeRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_manager__pb2.RegisterComputeResponse.SerializeToString,
+            ),
+            'HeartbeatCompute': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeartbeatCompute,
+                    request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.HeartbeatComputeRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_manager__pb2.HeartbeatComputeResponse.SerializeToString,
+            ),
+            'DeregisterCompute': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterCompute,
+                    request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.DeregisterComputeRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_manager__pb2.DeregisterComputeResponse.SerializeToString,
+            ),
+            'ListComputeInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListComputeInstances,
+                    request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.ListComputeInstancesRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_manager__pb2.ListComputeInstancesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +334,114 @@ class GlobalManager:
             '/infinite_llm.v1.GlobalManager/GetClusterState',
             infinite__llm_dot_v1_dot_manager__pb2.ClusterStateRequest.SerializeToString,
             infinite__llm_dot_v1_dot_manager__pb2.ClusterStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterCompute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.GlobalManager/RegisterCompute',
+            infinite__llm_dot_v1_dot_manager__pb2.RegisterComputeRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_manager__pb2.RegisterComputeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatCompute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.GlobalManager/HeartbeatCompute',
+            infinite__llm_dot_v1_dot_manager__pb2.HeartbeatComputeRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_manager__pb2.HeartbeatComputeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterCompute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.GlobalManager/DeregisterCompute',
+            infinite__llm_dot_v1_dot_manager__pb2.DeregisterComputeRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_manager__pb2.DeregisterComputeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListComputeInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.GlobalManager/ListComputeInstances',
+            infinite__llm_dot_v1_dot_manager__pb2.ListComputeInstancesRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_manager__pb2.ListComputeInstancesResponse.FromString,
             options,
             channel_credentials,
             insecure,

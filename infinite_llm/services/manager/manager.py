@@ -1,20 +1,23 @@
 """The global manager (PAPER.md "Managers", gManager): membership, capacity view, placement ledger.
 
-It composes :mod:`membership` (leased ``members/`` keys and a watch), :mod:`capacity` (the in-memory view
-fed by heartbeats), :mod:`placement` (near first, then most free; reserve before use) and :mod:`ledger`
-(``ledger/<seq_id>`` written by compare-and-swap), all fenced by :mod:`leadership`. etcd is the source of
-truth: a new instance rebuilds everything from it (DESIGN.md §5-§6). The gRPC servicer is a thin layer
-over :class:`GlobalManager`; the attention servers are reached through an injected :class:`BlockServers`.
+It composes :mod:`membership` (leased ``members/`` keys and a watch), :mod:`computes` (the compute
+instances, leased the same way under ``computes/``, with their loads, homes and debts), :mod:`capacity`
+(the in-memory view fed by heartbeats), :mod:`placement` (near first, then most free; reserve before use)
+and :mod:`ledger` (``ledger/<seq_id>`` written by compare-and-swap), all fenced by :mod:`leadership`. etcd
+is the source of truth: a new instance rebuilds everything from it (DESIGN.md §5-§6). The gRPC servicer is
+a thin layer over :class:`GlobalManager`; the attention servers are reached through an injected
+:class:`BlockServers`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
+from infinite_llm.services.manager.computes import ComputeInfo, ComputeInstances, ComputeLoad, ComputeState, debts
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
 from infinite_llm.services.manager.membership import Membership, Registration
@@ -71,6 +74,7 @@ class GlobalManager:
         self.ledger = Ledger(store, self.leadership, config.max_txn_attempts)
         self._placed: dict[str, int] = {}  # rBlocks the ledger places per server
         self.membership = Membership(store, self.leadership, self.view, lambda s: self._placed.get(s, 0))
+        self.computes = ComputeInstances(store, self.leadership)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:
@@ -82,6 +86,7 @@ class GlobalManager:
         """
         await self._load_placed()
         await self.membership.start()
+        await self.computes.start()
         if acquire_timeout_s is None:
             await self.leadership.campaign()
         else:
@@ -99,6 +104,7 @@ class GlobalManager:
     async def stop(self, resign: bool = True) -> None:
         """Stop watching; ``resign`` gives up leadership at once (else it lapses after ``leader_ttl_s``)."""
         await self.membership.stop()
+        await self.computes.stop()
         await self.leadership.close(resign)
 
     @property
@@ -117,16 +123,18 @@ class GlobalManager:
         block_size: int,
         kind: str = "attention",
         ttl_s: int | None = None,
+        node_name: str = "",
     ) -> Registration:
-        """Register a server under a lease of ``ttl_s`` seconds (default ``member_ttl_s``).
+        """Register a server under a lease of ``ttl_s`` seconds (default ``member_ttl_s``); ``node_name``: the
+        machine it runs on, which makes it a home of the compute instances registered with that node.
 
         Raises:
-            InvalidRequest: a bad id, capacity (rBlocks) or block size (tokens).
+            InvalidRequest: a bad id, node name, capacity (rBlocks) or block size (tokens).
             FailedPrecondition: the server's block size differs from the cluster's.
             NotLeader: this manager does not lead.
         """
         self.check_block_size(block_size, f"attention server {server_id!r}")
-        info = MemberInfo(server_id, address, capacity_blocks, block_size, kind)
+        info = MemberInfo(server_id, address, capacity_blocks, block_size, kind, node_name)
         return await self.membership.register(info, ttl_s or self.config.member_ttl_s)
 
     async def heartbeat(self, server_id: str, free_blocks: int, load: float = 0.0) -> int:
@@ -154,8 +162,42 @@ class GlobalManager:
                 f"{who} uses rBlocks of {block_size} tokens; this cluster's block_size is {self.config.block_size}"
             )
 
+    # ---- compute instances -----------------------------------------------------------------------
+    async def register_compute(self, info: ComputeInfo, ttl_s: int | None = None) -> Registration:
+        """Register a compute instance under a lease of ``ttl_s`` seconds (default ``member_ttl_s``).
+
+        Raises:
+            NotLeader: this manager does not lead.
+        """
+        return await self.computes.register(info, ttl_s or self.config.member_ttl_s)
+
+    async def heartbeat_compute(self, instance_id: str, load: ComputeLoad) -> int:
+        """Keep the instance alive and record its load; returns the lease TTL in seconds.
+
+        Raises:
+            InvalidRequest: a malformed id. NotFound: unknown or expired (it must register again).
+        """
+        return await self.computes.heartbeat(instance_id, load)
+
+    async def deregister_compute(self, instance_id: str) -> None:
+        """Remove a compute instance now. Raises NotFound if it is not registered."""
+        await self.computes.deregister(instance_id)
+
+    async def compute_instances(self, include_debts: bool = False) -> list[ComputeState]:
+        """Live compute instances by id, with homes and last load; debts only if asked (reads the ledger)."""
+        owed = None
+        if include_debts:
+            owed = await self._debts(await self.ledger.read_records())
+        return self.computes.states((m.info for m in self.members()), owed)
+
+    async def _debts(self, records: list[LedgerRecord]) -> dict[str, int]:
+        servers = [m.info for m in self.members()]
+        return debts(records, {m.info.instance_id: m.info.homes(servers) for m in self.computes.members.members()})
+
     # ---- placement -------------------------------------------------------------------------------
-    async def place(self, seq_id: str, n_blocks: int, near: str | None = None, first_index: int = 0) -> list[Grant]:
+    async def place(
+        self, seq_id: str, n_blocks: int, near: str | None = None, first_index: int = 0, owner: str = ""
+    ) -> list[Grant]:
         """Place ``n_blocks`` more rBlocks of ``seq_id``: near server first, then most free.
 
         Reserves on the servers, records the ledger in one fenced compare-and-swap (re-read and retried on
@@ -163,6 +205,8 @@ class GlobalManager:
 
         ``first_index`` is the logical index of the first new rBlock in the sequence's block table: the
         servers record each rBlock's index at commit, in grant order, and plan steps from them.
+        ``owner``: the compute instance running the sequence ('' = not told); the ledger records it with the
+        sequence's first placement, which is how debts are counted.
 
         Returns:
             One :class:`Grant` per server used, in placement order (near server first).
@@ -179,11 +223,13 @@ class GlobalManager:
             raise InvalidRequest(f"n_blocks must be > 0, got {n_blocks}", param="n_blocks")
         if first_index < 0:
             raise InvalidRequest(f"first_index must be >= 0, got {first_index}", param="first_block_index")
+        if owner:
+            check_id("instance_id", owner)
         self.leadership.fence()  # fail before reserving anything
         record = await self.ledger.read(seq_id)
         held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near)
         try:
-            await self._record(record, [(h.server_id, h.n_blocks) for h in held])
+            await self._record(record, [(h.server_id, h.n_blocks) for h in held], owner)
         except BaseException:
             await cancel_held(self._servers, self.view, held)
             raise
@@ -191,8 +237,10 @@ class GlobalManager:
             self._placed[h.server_id] = self._placed.get(h.server_id, 0) + h.n_blocks
         return await self._commit(held, first_index)
 
-    async def _record(self, record: LedgerRecord, added: LedgerEntries) -> None:
+    async def _record(self, record: LedgerRecord, added: LedgerEntries, owner: str = "") -> None:
         for _ in range(self.config.max_txn_attempts):
+            if owner and not record.owner:
+                record = replace(record, owner=owner)
             conflict = await self.ledger.swap(record, merge_ledger(record.entries, added))
             if conflict is None:
                 return
@@ -249,11 +297,19 @@ class GlobalManager:
 
     # ---- state -----------------------------------------------------------------------------------
     async def cluster_state(self) -> ClusterState:
-        """Leader, live members with their (estimated) free rBlocks and load, and the ledger from etcd."""
-        ledger = await self.ledger.read_all()
+        """Leader, live members with their (estimated) free rBlocks and load, the ledger from etcd with each
+        sequence's owner, and the live compute instances with their debts."""
+        records = await self.ledger.read_records()
         members = []
         for m in self.members():
             cap = self.view.get(m.info.server_id)
             if cap is not None:
                 members.append(MemberState(m.info, cap.free_blocks, cap.load, cap.stale))
-        return ClusterState(await self.leadership.leader_id(), members, ledger)
+        computes = self.computes.states((m.info for m in self.members()), await self._debts(records))
+        return ClusterState(
+            await self.leadership.leader_id(),
+            members,
+            {r.seq_id: r.entries for r in records},
+            {r.seq_id: r.owner for r in records if r.owner},
+            computes,
+        )

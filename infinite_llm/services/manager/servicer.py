@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 from prometheus_client import CollectorRegistry
 
@@ -9,6 +11,7 @@ from infinite_llm.core.errors import CapacityExhausted
 from infinite_llm.observability.metrics import ManagerMetrics
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad, ComputeState, heartbeat_age_s
 from infinite_llm.services.manager.manager import GlobalManager
 
 
@@ -25,7 +28,12 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
 
     async def Register(self, request: mpb.RegisterRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         reg = await self.manager.register(
-            request.server_id, request.address, request.capacity_blocks, request.block_size, request.kind or "attention"
+            request.server_id,
+            request.address,
+            request.capacity_blocks,
+            request.block_size,
+            request.kind or "attention",
+            node_name=request.node_name,
         )
         self.metrics.view_capacity.labels(server_id=request.server_id).set(request.capacity_blocks)
         return mpb.RegisterResponse(lease_ttl_s=reg.ttl_s)
@@ -40,7 +48,11 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             self.manager.check_block_size(request.block_size, f"the caller placing {request.seq_id!r}")
         try:
             grants = await self.manager.place(
-                request.seq_id, request.num_blocks, request.near_server_id or None, request.first_block_index
+                request.seq_id,
+                request.num_blocks,
+                request.near_server_id or None,
+                request.first_block_index,
+                owner=request.instance_id,
             )
         except CapacityExhausted:
             self.metrics.placement_failures.inc()
@@ -71,7 +83,49 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 used_blocks=m.info.capacity_blocks - m.free_blocks,
                 num_sequences=int(m.load),
                 block_size=m.info.block_size,
+                node_name=m.info.node_name,
             )
         for seq_id, entries in sorted(state.ledger.items()):
-            reply.ledger.add(seq_id=seq_id, shares=[mpb.KVShare(server_id=s, num_blocks=n) for s, n in entries])
+            reply.ledger.add(
+                seq_id=seq_id,
+                shares=[mpb.KVShare(server_id=s, num_blocks=n) for s, n in entries],
+                instance_id=state.owners.get(seq_id, ""),
+            )
+        reply.compute_instances.extend(compute_state_to_proto(c) for c in state.computes)
         return reply
+
+    # ---- compute instances -----------------------------------------------------------------------
+    async def RegisterCompute(self, request: mpb.RegisterComputeRequest, context) -> mpb.RegisterComputeResponse:  # noqa: N802, ANN001
+        info = ComputeInfo(request.instance_id, request.address, tuple(request.home_server_ids), request.node_name)
+        reg = await self.manager.register_compute(info)
+        return mpb.RegisterComputeResponse(lease_ttl_s=reg.ttl_s)
+
+    async def HeartbeatCompute(self, request: mpb.HeartbeatComputeRequest, context) -> mpb.HeartbeatComputeResponse:  # noqa: N802, ANN001
+        load = ComputeLoad(request.num_running, request.num_waiting, request.num_tokens_held, time.monotonic())
+        await self.manager.heartbeat_compute(request.instance_id, load)
+        return mpb.HeartbeatComputeResponse()
+
+    async def DeregisterCompute(self, request: mpb.DeregisterComputeRequest, context) -> mpb.DeregisterComputeResponse:  # noqa: N802, ANN001
+        await self.manager.deregister_compute(request.instance_id)
+        return mpb.DeregisterComputeResponse()
+
+    async def ListComputeInstances(self, request: mpb.ListComputeInstancesRequest, context):  # noqa: N802, ANN001
+        states = await self.manager.compute_instances(include_debts=request.include_debts)
+        return mpb.ListComputeInstancesResponse(instances=[compute_state_to_proto(c) for c in states])
+
+
+def compute_state_to_proto(c: ComputeState) -> mpb.ComputeInstanceState:
+    """One live compute instance on the wire; ``debt_blocks`` stays unset where debts were not counted."""
+    msg = mpb.ComputeInstanceState(
+        instance_id=c.info.instance_id,
+        address=c.info.address,
+        home_server_ids=c.homes,
+        node_name=c.info.node_name,
+        num_running=c.load.num_running,
+        num_waiting=c.load.num_waiting,
+        num_tokens_held=c.load.num_tokens_held,
+        heartbeat_age_s=heartbeat_age_s(c.load),
+    )
+    if c.debt_blocks is not None:
+        msg.debt_blocks = c.debt_blocks
+    return msg
