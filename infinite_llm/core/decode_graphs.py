@@ -194,7 +194,8 @@ class DecodeGraphs:
         if graph is None:
             self.num_eager += 1
             return self._forward(batch, width)[:n]
-        graph.replay()
+        with torch.cuda.device(self.device):  # the graph's device, whatever the current one is
+            graph.replay()
         self.num_replays += 1
         return self._logits[batch][:n]
 
@@ -257,6 +258,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         """Record one graph per bucket, largest first, sharing one memory pool (later graphs reuse it)."""
+        with torch.cuda.device(self.device):  # cuda:N: capture on that device's streams
+            self._capture_on_device()
+
+    def _capture_on_device(self) -> None:
         pool = None
         for batch in reversed(self.buckets):
             for staged in (self.input_ids, self.positions):
