@@ -21,6 +21,7 @@ from typing import Literal
 import aetcd
 import aetcd.exceptions
 import aetcd.transactions as txn_ops
+import grpc
 from aetcd import utils as aetcd_utils
 
 from infinite_llm.core.errors import NotFound, Unavailable
@@ -130,7 +131,8 @@ def _etcd_errors(fn):
         try:
             return await fn(self, *args, **kwargs)
         except aetcd.exceptions.ClientError as e:
-            if "lease not found" in str(e):
+            # aetcd keeps the gRPC error as the cause; etcd answers NOT_FOUND only for a lease it does not know
+            if isinstance(e.__cause__, grpc.RpcError) and e.__cause__.code() == grpc.StatusCode.NOT_FOUND:
                 raise NotFound(f"etcd lease not found ({fn.__name__})") from e
             raise Unavailable(f"etcd at {self.target} failed in {fn.__name__}: {e}") from e
 
