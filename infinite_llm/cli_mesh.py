@@ -32,6 +32,26 @@ Transport = Annotated[
     ),
 ]
 Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
+NodeName = Annotated[
+    str,
+    typer.Option(
+        envvar="NODE_NAME",
+        help="The node (machine) this process runs on; in Kubernetes spec.nodeName through the downward API. "
+        "Attention servers and compute instances with the same node name are each other's homes ('' = none).",
+    ),
+]
+
+
+def split_ids(values: list[str] | None, param_hint: str) -> tuple[str, ...]:
+    """Ids of a repeatable, comma-separated option (``--home a --home b,c``), checked; BadParameter otherwise."""
+    from infinite_llm.core.errors import InvalidRequest
+    from infinite_llm.core.ids import check_id
+
+    ids = [v.strip() for value in values or () for v in value.split(",")]
+    try:
+        return tuple(dict.fromkeys(check_id(param_hint.lstrip("-"), i) for i in ids))
+    except InvalidRequest as e:
+        raise typer.BadParameter(e.message, param_hint=param_hint) from None
 
 
 def _transport(text: str) -> str:
@@ -97,6 +117,7 @@ def serve_attention(
     device: Device = "cpu",
     metrics_port: MetricsPort = 0,
     transport: Transport = "grpc",
+    node_name: NodeName = "",
 ) -> None:
     """Attention server: holds rBlocks in --kv-memory and computes partial attention over them."""
     from infinite_llm.models.registry import load_model_config, resolve_model
@@ -115,6 +136,7 @@ def serve_attention(
         transport=_transport(transport),
         advertise_host=advertise_host,
         metrics_port=metrics_port,
+        node_name=split_ids([node_name], "--node-name")[0] if node_name else "",
     )
     sys.exit(main(config))
 
@@ -208,7 +230,9 @@ def serve_compute(
     manager: Annotated[str, typer.Option(help="Global manager HOST:PORT.")] = "127.0.0.1:50050",
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port.")] = 50070,
-    instance_id: Annotated[str, typer.Option(help="Name in logs and stats.")] = "compute-0",
+    instance_id: Annotated[str, typer.Option(help="Identity: its registration with the manager, logs, stats.")] = (
+        "compute-0"
+    ),
     model: Model = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
@@ -221,44 +245,79 @@ def serve_compute(
         int,
         typer.Option(help="Requests queued behind the running batch before new ones are refused (RESOURCE_EXHAUSTED)."),
     ] = 1024,
+    home: Annotated[
+        list[str] | None,
+        typer.Option(help="A home attention server (one on this node) by server id; repeatable or comma-separated."),
+    ] = None,
+    node_name: NodeName = "",
+    advertise_host: Annotated[
+        str, typer.Option(help="Host the router reaches this instance at (default --host; Kubernetes: the pod IP).")
+    ] = "",
 ) -> None:
-    """Compute instance: dense layers + scheduler; attention on the attention servers."""
+    """Compute instance: dense layers + scheduler; attention on the attention servers. Registers with the
+    manager (routers discover it there) with its homes: --home servers and those registered with --node-name."""
     from infinite_llm.services.compute.server import ComputeConfig, serve
 
-    config = ComputeConfig(
-        manager_address=manager,
-        host=host,
-        port=port,
-        instance_id=instance_id,
-        model=model,
-        dtype=torch_dtype(dtype),
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        metrics_port=metrics_port,
-        device=device_option(device),
-        max_waiting=max_waiting,
-        transport=_transport(transport),
-    )
+    homes = split_ids(home, "--home")
+    node = split_ids([node_name], "--node-name")[0] if node_name else ""
+    try:
+        config = ComputeConfig(
+            manager_address=manager,
+            host=host,
+            port=port,
+            instance_id=instance_id,
+            model=model,
+            dtype=torch_dtype(dtype),
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            metrics_port=metrics_port,
+            device=device_option(device),
+            max_waiting=max_waiting,
+            transport=_transport(transport),
+            home_server_ids=homes,
+            node_name=node,
+            advertise_host=advertise_host,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     asyncio.run(serve(config))
 
 
 @serve_app.command("router")
 def serve_router(
-    compute: Annotated[list[str], typer.Option(help="Compute instance HOST:PORT (repeatable).")],
+    manager: Annotated[
+        str, typer.Option(help="Global manager HOST:PORT: send requests to the compute instances it lists.")
+    ] = "",
+    compute: Annotated[
+        list[str] | None,
+        typer.Option(help="A static compute instance HOST:PORT, or dns:///SERVICE:PORT for every pod (repeatable)."),
+    ] = None,
+    discovery_interval: Annotated[
+        float, typer.Option(help="Seconds between two reads of the manager's list of compute instances.")
+    ] = 1.0,
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
     model: Model = None,
     metrics_port: MetricsPort = 0,
 ) -> None:
-    """Router: the public gRPC API (Generate, GenerateStream, Abort, ListModels, Tokenize)."""
+    """Router: the public gRPC API (Generate, GenerateStream, Abort, ListModels, Tokenize). Needs --manager
+    (compute instances discovered, followed as they come and go) or --compute, or both."""
     from infinite_llm.services.router.server import RouterConfig, serve
 
-    asyncio.run(
-        serve(
-            RouterConfig(compute_addresses=tuple(compute), host=host, port=port, model=model, metrics_port=metrics_port)
+    try:
+        config = RouterConfig(
+            compute_addresses=tuple(compute or ()),
+            host=host,
+            port=port,
+            model=model,
+            metrics_port=metrics_port,
+            manager_address=manager,
+            discovery_interval_s=discovery_interval,
         )
-    )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    asyncio.run(serve(config))
 
 
 @serve_app.command("gateway")

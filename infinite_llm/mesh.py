@@ -4,8 +4,10 @@ benchmarks' fixture).
 
 Each service is ``python -m infinite_llm.cli serve <role> ...`` on a free port; ``start`` returns when every
 one answers the standard gRPC health check with SERVING (the gateway: HTTP ``GET /health`` with 200) and
-every attention server is registered with the manager. ``stop`` sends SIGTERM (graceful drain), then SIGKILL
-after a grace period.
+every attention server and compute instance is registered with the manager. The router discovers the
+compute instances from the manager (``serve router --manager``), so instances started later with
+:meth:`LocalMesh.spawn_compute` take requests too. Homes: attention server ``attn-i`` is the home of compute
+instance ``compute-(i mod M)``. ``stop`` sends SIGTERM (graceful drain), then SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class MeshConfig:
     member_ttl_s: int = 10
     startup_timeout_s: float = 180.0
     gateway_port: int = 8000  # OpenAI-compatible REST gateway (HTTP); 0 = any free port
+    discovery_interval_s: float = 1.0  # how often the router re-reads the manager's compute instances
 
     def __post_init__(self) -> None:
         if self.attention_servers < 1 or self.compute_instances < 1:
@@ -127,31 +130,24 @@ class LocalMesh:
             self._wait_healthy(self._by_role("manager"))
             for i in range(c.attention_servers):
                 self.spawn_attention(f"attn-{i}")
-            for i in range(c.compute_instances):
-                self._spawn(
-                    "compute",
-                    f"compute-{i}",
-                    free_port(),
-                    [
-                        "--manager",
-                        self.manager_address,
-                        "--block-size",
-                        str(c.block_size),
-                        "--transport",
-                        c.transport,
-                        "--max-num-batched-tokens",
-                        str(c.max_num_batched_tokens),
-                        "--max-num-seqs",
-                        str(c.max_num_seqs),
-                        "--max-waiting",
-                        str(c.max_waiting),
-                        *self._model_args(),
-                    ],
-                )
-            # The router connects to the compute instances at start: let them finish loading first.
+            for j in range(c.compute_instances):
+                homes = [f"attn-{i}" for i in range(c.attention_servers) if i % c.compute_instances == j]
+                self.spawn_compute(f"compute-{j}", homes)
+            # The router reads the manager's list when it starts: let the instances load and register first.
             self._wait_healthy(self.compute_instances())
-            computes = [a for p in self.compute_instances() for a in ("--compute", p.address)]
-            router = self._spawn("router", "router", c.router_port, [*computes, *self._model_args()])
+            self.wait_compute_registered(c.compute_instances)
+            router = self._spawn(
+                "router",
+                "router",
+                c.router_port,
+                [
+                    "--manager",
+                    self.manager_address,
+                    "--discovery-interval",
+                    str(c.discovery_interval_s),
+                    *self._model_args(),
+                ],
+            )
             gateway = self._spawn(
                 "gateway", "gateway", c.gateway_port or free_port(), ["--router", router.address, *self._model_args()]
             )
@@ -182,6 +178,34 @@ class LocalMesh:
                 c.transport,
                 "--manager",
                 self.manager_address,
+                *self._model_args(),
+            ],
+        )
+
+    def spawn_compute(self, name: str, homes: list[str] | None = None, port: int = 0) -> Proc:
+        """Start one more compute instance (``port`` 0: a free one) with ``homes`` (attention server ids);
+        it registers with the manager and the router follows it (also used by tests that add, kill and
+        restart instances)."""
+        c = self.config
+        home_args = ["--home", ",".join(homes)] if homes else []
+        return self._spawn(
+            "compute",
+            name,
+            port or free_port(),
+            [
+                "--manager",
+                self.manager_address,
+                "--block-size",
+                str(c.block_size),
+                "--transport",
+                c.transport,
+                "--max-num-batched-tokens",
+                str(c.max_num_batched_tokens),
+                "--max-num-seqs",
+                str(c.max_num_seqs),
+                "--max-waiting",
+                str(c.max_waiting),
+                *home_args,
                 *self._model_args(),
             ],
         )
@@ -232,6 +256,16 @@ class LocalMesh:
         while len(cluster_state(self.manager_address).servers) != n:
             if time.monotonic() > deadline:
                 raise Unavailable(f"manager does not list {n} attention servers after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def wait_compute_registered(self, n: int, timeout_s: float = 30.0) -> None:
+        """Wait until the manager lists exactly ``n`` compute instances."""
+        from infinite_llm.services.admin import cluster_state
+
+        deadline = time.monotonic() + timeout_s
+        while len(cluster_state(self.manager_address).compute_instances) != n:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"manager does not list {n} compute instances after {timeout_s:.0f} s")
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0) -> None:

@@ -1,4 +1,5 @@
-"""Operator views of a running cluster: the manager's cluster state, and the ``infinite-llm status`` table."""
+"""Operator views of a running cluster: the manager's cluster state, and the ``infinite-llm status`` tables
+(attention servers, compute instances with their homes, load and debts, and every sequence's rBlocks)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from infinite_llm.rpc.channels import sync_channel
 
 
 def cluster_state(manager_address: str, timeout_s: float = 5.0) -> mpb.ClusterStateResponse:
-    """The manager's view: live attention servers with their rBlocks, and the placement ledger."""
+    """The manager's view: live attention servers with their rBlocks, compute instances, and the ledger."""
     with sync_channel(manager_address) as channel:
         try:
             return mgrpc.GlobalManagerStub(channel).GetClusterState(mpb.ClusterStateRequest(), timeout=timeout_s)
@@ -22,15 +23,17 @@ def cluster_state(manager_address: str, timeout_s: float = 5.0) -> mpb.ClusterSt
 
 
 def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
-    """Servers (rBlocks used / free / capacity, sequences) and every sequence's rBlocks per server."""
+    """Servers (rBlocks used / free / capacity, sequences), compute instances (homes, batch, queue, tokens
+    held, debt) and every sequence's rBlocks per server."""
     servers = Table(title="attention servers")
-    for col in ("server", "address", "used", "free", "capacity", "KV used", "sequences"):
-        servers.add_column(col, justify="left" if col in ("server", "address") else "right")
+    for col in ("server", "address", "node", "used", "free", "capacity", "KV used", "sequences"):
+        servers.add_column(col, justify="left" if col in ("server", "address", "node") else "right")
     for s in state.servers:
         pct = 100.0 * s.used_blocks / s.capacity_blocks if s.capacity_blocks else 0.0
         servers.add_row(
             s.server_id,
             s.address,
+            s.node_name or "-",
             str(s.used_blocks),
             str(s.free_blocks),
             str(s.capacity_blocks),
@@ -41,11 +44,37 @@ def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
     used = sum(s.used_blocks for s in state.servers)
     servers.caption = f"cluster: {used}/{total} rBlocks used"
     console.print(servers)
+    console.print(compute_table(state.compute_instances))
     ledger = Table(title="sequences (rBlocks per server)")
     ledger.add_column("sequence")
+    ledger.add_column("instance")
     ledger.add_column("rBlocks", justify="right")
     ledger.add_column("placement")
     for e in state.ledger:
         n = sum(s.num_blocks for s in e.shares)
-        ledger.add_row(e.seq_id, str(n), ", ".join(f"{s.server_id}: {s.num_blocks}" for s in e.shares))
+        placement = ", ".join(f"{s.server_id}: {s.num_blocks}" for s in e.shares)
+        ledger.add_row(e.seq_id, e.instance_id or "-", str(n), placement)
     console.print(ledger)
+
+
+def compute_table(instances: list[mpb.ComputeInstanceState]) -> Table:
+    """One row per compute instance: its homes, batch size (running sequences), queue (waiting), tokens its
+    sequences hold, and its debt: rBlocks of its sequences on attention servers that are not its homes."""
+    table = Table(title="compute instances")
+    for col in ("instance", "address", "node", "homes", "batch", "queue", "tokens held", "debt (rBlocks)"):
+        table.add_column(col, justify="left" if col in ("instance", "address", "node", "homes") else "right")
+    for c in instances:
+        debt = str(c.debt_blocks) if c.HasField("debt_blocks") else "?"
+        homes = ", ".join(c.home_server_ids) or "-"
+        table.add_row(
+            c.instance_id,
+            c.address,
+            c.node_name or "-",
+            homes,
+            str(c.num_running),
+            str(c.num_waiting),
+            str(c.num_tokens_held),
+            debt,
+        )
+    table.caption = f"{len(instances)} compute instances, {sum(c.num_running for c in instances)} sequences running"
+    return table

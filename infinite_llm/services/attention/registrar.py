@@ -1,61 +1,47 @@
 """An attention server's membership: register with the global manager, then heartbeat its free rBlocks.
 
-The manager keeps the server's ``members/<id>`` key under an etcd lease that each heartbeat refreshes; a
-server that stops heartbeating (dies) vanishes when the lease expires. A heartbeat answered NOT_FOUND
-means the lease already expired (or the manager restarted): register again.
+The loop (register, heartbeat every TTL/3, register again after NOT_FOUND) is the shared
+:class:`~infinite_llm.services.lease_keeper.LeaseKeeper`; this module says what an attention server sends.
+``node_name`` (Kubernetes: the pod's ``spec.nodeName``) makes it a home of the compute instances on that node.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
-
-import grpc
 
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import aio_channel
 from infinite_llm.services.attention.types import HolderStats
+from infinite_llm.services.lease_keeper import LeaseKeeper
 
 log = logging.getLogger(__name__)
-RETRY_S = 1.0  # wait before retrying an unreachable manager (seconds)
 
 
 class Registrar:
     """Keeps one server registered; ``stats()`` is read on every heartbeat."""
 
     def __init__(
-        self, manager_address: str, server_id: str, address: str, block_size: int, stats: Callable[[], HolderStats]
+        self,
+        manager_address: str,
+        server_id: str,
+        address: str,
+        block_size: int,
+        stats: Callable[[], HolderStats],
+        node_name: str = "",
     ) -> None:
         self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=5.0))
-        self.server_id, self.address, self.block_size = server_id, address, block_size
+        self.server_id, self.address, self.block_size, self.node_name = server_id, address, block_size, node_name
         self._stats = stats
-        self._task: asyncio.Task | None = None
-        self.registered = asyncio.Event()
+        self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat)
+        self.registered = self._keeper.registered
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"registrar-{self.server_id}")
+        self._keeper.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                ttl = await self._register()
-                self.registered.set()
-                while await self._heartbeat():
-                    await asyncio.sleep(max(ttl / 3, 0.5))
-                log.warning("lease of %s expired; registering again", self.server_id)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # e.g. another block size: fix the config
-                    log.error("the manager refuses %s: %s; retrying", self.server_id, e.details())
-                else:
-                    log.warning("manager unreachable (%s); retrying", e.code().name)
-                await asyncio.sleep(RETRY_S)
+        await self._keeper.stop()
 
     async def _register(self) -> float:
         s = self._stats()
@@ -66,6 +52,7 @@ class Registrar:
                 capacity_blocks=s.num_blocks,
                 block_size=self.block_size,
                 kind="attention",
+                node_name=self.node_name,
             )
         )
         log.info(
@@ -77,20 +64,13 @@ class Registrar:
         )
         return float(reply.lease_ttl_s)
 
-    async def _heartbeat(self) -> bool:
-        """One heartbeat; False when the manager no longer knows this server."""
+    async def _heartbeat(self) -> None:
         s = self._stats()
-        try:
-            await self._stub.Heartbeat(
-                mpb.HeartbeatRequest(
-                    server_id=self.server_id,
-                    free_blocks=s.num_free,
-                    used_blocks=s.num_used,
-                    num_sequences=s.num_sequences,
-                )
+        await self._stub.Heartbeat(
+            mpb.HeartbeatRequest(
+                server_id=self.server_id,
+                free_blocks=s.num_free,
+                used_blocks=s.num_used,
+                num_sequences=s.num_sequences,
             )
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                return False
-            raise
-        return True
+        )

@@ -58,6 +58,7 @@ class AttentionServerConfig:
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
     advertise_host: str = ""  # host others reach this server at (default: host)
     transport: str = "grpc"  # "torch" also accepts torch.distributed tensor channels (OpenTensorChannel)
+    node_name: str = ""  # the machine it runs on: a home of the compute instances registered with that node
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -168,7 +169,12 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
     if config.manager_address:
         advertised = f"{config.advertise_host or config.host}:{server.port}"
         registrar = Registrar(
-            config.manager_address, config.server_id, advertised, config.block_size, server.servicer.holder.stats
+            config.manager_address,
+            config.server_id,
+            advertised,
+            config.block_size,
+            server.servicer.holder.stats,
+            node_name=config.node_name,
         )
         registrar.start()
     try:

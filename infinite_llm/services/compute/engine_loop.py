@@ -85,6 +85,12 @@ class EngineLoop:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
 
+    @property
+    def num_tokens_held(self) -> int:
+        """Tokens whose KV the running sequences hold (on any attention server). Read from other threads:
+        it sums over a copy of the running list, so a step in progress may make it one step stale."""
+        return sum(seq.num_computed_tokens for seq in self.engine.scheduler.running[:])
+
     # ---- engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:

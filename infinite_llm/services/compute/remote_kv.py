@@ -29,11 +29,16 @@ TRANSPORTS = ("grpc", "torch")
 
 
 class ManagerPlacement:
-    """rBlocks on the cluster's attention servers, placed by the global manager; learns their addresses."""
+    """rBlocks on the cluster's attention servers, placed by the global manager; learns their addresses.
 
-    def __init__(self, manager_address: str, block_size: int, timeout_s: float = 30.0) -> None:
+    ``instance_id``: this compute instance, named in every placement so the ledger records whose sequence it
+    is ('' = anonymous; the manager then counts no debt for it).
+    """
+
+    def __init__(self, manager_address: str, block_size: int, timeout_s: float = 30.0, instance_id: str = "") -> None:
         self.block_size = block_size
         self.timeout_s = timeout_s
+        self.instance_id = instance_id
         self._manager = mgrpc.GlobalManagerStub(sync_channel(manager_address))
         self._addresses: dict[HolderId, str] = {}
         self._lock = threading.Lock()
@@ -83,7 +88,11 @@ class ManagerPlacement:
     def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef] | None:
         """``n`` rBlocks for logical indices ``first_index ..``; ``None`` when the cluster is full now."""
         request = mpb.PlaceRequest(
-            seq_id=seq_id, num_blocks=n, first_block_index=first_index, block_size=self.block_size
+            seq_id=seq_id,
+            num_blocks=n,
+            first_block_index=first_index,
+            block_size=self.block_size,
+            instance_id=self.instance_id,
         )
         try:
             reply = self._manager.Place(request, timeout=self.timeout_s)
@@ -121,19 +130,21 @@ def remote_dist_attention(
     timeout_s: float = 30.0,
     transport: str = "grpc",
     on_rpc: Callable[[str, float], None] | None = None,
+    instance_id: str = "",
 ) -> DistAttention:
     """DistAttention of a compute instance: placement by the manager, steps over ``transport``.
 
     ``transport`` ``"torch"`` sends the tensors over torch.distributed (gloo on CPU, NCCL between GPUs) and
     falls back to gRPC per server, logging the reason once, where a process group cannot form.
-    ``on_rpc(server_id, seconds)`` is told how long each server took per layer (metrics).
+    ``on_rpc(server_id, seconds)`` is told how long each server took per layer (metrics). ``instance_id``
+    names the instance in its placements (the ledger's owner of its sequences).
     """
     from infinite_llm.kernels import merge_partials
     from infinite_llm.services.compute.grpc_transport import GrpcTransport
 
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    placement = ManagerPlacement(manager_address, block_size, timeout_s)
+    placement = ManagerPlacement(manager_address, block_size, timeout_s, instance_id)
     if transport == "torch":
         from infinite_llm.services.compute.torch_transport import TorchTransport
 

@@ -1,7 +1,9 @@
 """``infinite-llm serve compute``: a compute instance process.
 
 Loads the model's dense layers, runs the engine on its own thread with a remote :class:`DistAttention` as the KV backend
-(attention on the attention servers, placement by the global manager), and serves ``ComputeInstance``.
+(attention on the attention servers, placement by the global manager), and serves ``ComputeInstance``. Once
+serving, it registers with the manager (address, home attention servers) and heartbeats its load, which is
+how routers find it; a graceful stop deregisters before draining.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from prometheus_client import CollectorRegistry
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.dist_attention import DistAttention
+from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.ids import check_id
 from infinite_llm.engine import EngineConfig, LLMEngine
 from infinite_llm.observability.metrics import EngineMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import compute_instance_pb2, compute_instance_pb2_grpc
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.compute.engine_loop import EngineLoop
+from infinite_llm.services.compute.registrar import ComputeLoadReport, ComputeRegistrar
 from infinite_llm.services.compute.remote_kv import TRANSPORTS, remote_dist_attention
 from infinite_llm.services.compute.servicer import ComputeInstanceServicer
 
@@ -47,10 +52,21 @@ class ComputeConfig:
     device: str = "cpu"  # where the dense layers run: cpu, cuda or cuda:N
     max_waiting: int = 1024  # queued requests before new ones get RESOURCE_EXHAUSTED (backpressure)
     transport: str = "grpc"  # how attention tensors travel: grpc, or torch (torch.distributed, gRPC control)
+    home_server_ids: tuple[str, ...] = ()  # attention servers on this instance's node, by server id
+    node_name: str = ""  # this instance's node: attention servers registered with it are homes too
+    advertise_host: str = ""  # host the router reaches this instance at (default: host)
 
     def __post_init__(self) -> None:
         if not self.manager_address:
             raise ValueError("compute instance needs --manager HOST:PORT")
+        try:
+            check_id("instance_id", self.instance_id)
+            for server_id in self.home_server_ids:
+                check_id("home", server_id)
+            if self.node_name:
+                check_id("node_name", self.node_name)
+        except InvalidRequest as e:
+            raise ValueError(e.message) from None
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.transport not in TRANSPORTS:
@@ -72,6 +88,7 @@ def build_engine(
         timeout_s=config.rpc_timeout_s,
         transport=config.transport,
         on_rpc=on_rpc,
+        instance_id=config.instance_id,
     )
     kv.placement.check_cluster()
     engine_config = EngineConfig(
@@ -109,11 +126,30 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     server = await start_server([service], f"{config.host}:{config.port}")
     log.info("compute instance %s serving %s on %s:%d", config.instance_id, model_name, config.host, server.port)
     print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)
+    registrar = registrar_for(config, server.port, loop)
+    registrar.start()
     if ready is not None:
         ready.set()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    await registrar.stop()  # routers stop sending new requests; the running ones drain below
     await server.stop()
     loop.stop()
+
+
+def registrar_for(config: ComputeConfig, port: int, loop: EngineLoop) -> ComputeRegistrar:
+    """The instance's membership: its advertised ``host:port``, homes, and its loop's load on heartbeats."""
+
+    def load() -> ComputeLoadReport:
+        return ComputeLoadReport(loop.num_running, loop.num_waiting, loop.num_tokens_held)
+
+    return ComputeRegistrar(
+        config.manager_address,
+        config.instance_id,
+        f"{config.advertise_host or config.host}:{port}",
+        load,
+        config.home_server_ids,
+        config.node_name,
+    )

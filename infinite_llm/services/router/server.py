@@ -1,4 +1,8 @@
-"""``infinite-llm serve router``: the public gRPC entry (Router service, health, reflection)."""
+"""``infinite-llm serve router``: the public gRPC entry (Router service, health, reflection).
+
+It sends requests to the compute instances the global manager lists (``--manager``, followed as they come
+and go) and/or to static addresses (``--compute``, e.g. a headless Service as ``dns:///compute:50070``).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from infinite_llm.observability.metrics import RouterMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import router_pb2, router_pb2_grpc
 from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.services.router.discovery import DEFAULT_INTERVAL_S, ComputeDiscovery
 from infinite_llm.services.router.servicer import RouterServicer
 
 log = logging.getLogger(__name__)
@@ -20,15 +25,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """Where the compute instances are: listed by the manager at ``manager_address`` (re-read every
+    ``discovery_interval_s`` seconds) and/or the static ``compute_addresses``."""
+
     compute_addresses: tuple[str, ...] = field(default_factory=tuple)
     host: str = "127.0.0.1"
     port: int = 50051
     model: str | None = None
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
+    manager_address: str = ""  # discover compute instances from this global manager ('' = static only)
+    discovery_interval_s: float = DEFAULT_INTERVAL_S
 
     def __post_init__(self) -> None:
-        if not self.compute_addresses:
-            raise ValueError("router needs --compute HOST:PORT (repeatable)")
+        if not self.compute_addresses and not self.manager_address:
+            raise ValueError("router needs --manager HOST:PORT (discovery) or --compute HOST:PORT (repeatable)")
+        if self.discovery_interval_s <= 0:
+            raise ValueError(f"discovery interval must be > 0 s, got {self.discovery_interval_s}")
 
 
 def build_servicer(config: RouterConfig, metrics: RouterMetrics | None = None) -> RouterServicer:
@@ -49,10 +61,20 @@ async def serve(config: RouterConfig) -> None:
     servicer = build_servicer(config, RouterMetrics(registry))
     serve_metrics(registry, config.metrics_port, config.host)
     service = Service.of(router_pb2, "Router", router_pb2_grpc.add_RouterServicer_to_server, servicer)
+    discovery = None
+    if config.manager_address:
+        discovery = ComputeDiscovery(config.manager_address, servicer.set_discovered, config.discovery_interval_s)
+        await discovery.refresh()  # the instances registered by now take requests from the first one
+        discovery.start()
     server = await start_server([service], f"{config.host}:{config.port}")
-    log.info("router listening on %s:%d -> %s", config.host, server.port, ", ".join(config.compute_addresses))
+    targets = list(config.compute_addresses)
+    if discovery is not None:
+        targets.append(f"the instances {config.manager_address} lists")
+    log.info("router listening on %s:%d -> %s", config.host, server.port, ", ".join(targets))
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
+    if discovery is not None:
+        await discovery.stop()

@@ -1,5 +1,10 @@
 """Router servicer: the public gRPC API. Validates, picks the least-loaded compute instance, relays tokens.
 
+Compute instances are static addresses (``--compute``, a ``dns:///`` headless Service among them) and those
+the manager lists (:mod:`.discovery` calls :meth:`RouterServicer.set_discovered`): an instance that joins
+takes requests from then on, one that leaves takes no new ones while its running streams finish. Among
+the least loaded (fewest requests in flight through this router), turns rotate.
+
 Deadlines travel downstream (the compute call gets what is left of the caller's); a caller that goes away
 cancels the compute call, which aborts the request and frees its rBlocks. A compute instance that is
 unreachable before any token was sent is skipped for the next one; after that the stream fails with
@@ -8,6 +13,8 @@ UNAVAILABLE (nothing hangs).
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import uuid
 from collections.abc import AsyncIterator
 
@@ -36,15 +43,17 @@ DEFAULT_TIMEOUT_S = 600.0  # a generation without a client deadline gets this lo
 
 
 class _Instance:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, instance_id: str = "") -> None:
         self.address = address
+        self.instance_id = instance_id or address
         # round_robin: a dns:/// address naming several pods (a headless Service) spreads requests over all
         # of them; a plain host:port is one instance either way.
-        channel = aio_channel(
+        self.channel = aio_channel(
             address, timeout_s=DEFAULT_TIMEOUT_S, extra_options=[("grpc.lb_policy_name", "round_robin")]
         )
-        self.stub = cgrpc.ComputeInstanceStub(channel)
+        self.stub = cgrpc.ComputeInstanceStub(self.channel)
         self.in_flight = 0
+        self.retired = False  # the manager no longer lists it: no new requests; closed when idle
 
 
 class RouterServicer(rgrpc.RouterServicer):
@@ -56,14 +65,40 @@ class RouterServicer(rgrpc.RouterServicer):
         tokenizer,  # noqa: ANN001
         metrics: RouterMetrics | None = None,
     ) -> None:
-        if not compute_addresses:
-            raise ValueError("router needs at least one compute instance address")
-        self.instances = [_Instance(a) for a in compute_addresses]
+        """``compute_addresses``: static instances; more come from :meth:`set_discovered`."""
+        self._static = [_Instance(a) for a in compute_addresses]
+        self._discovered: dict[str, _Instance] = {}
+        self._turns = itertools.count()
+        self._closing: set[asyncio.Task] = set()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self._owner: dict[str, _Instance] = {}
         self.metrics = metrics or RouterMetrics(CollectorRegistry())
+
+    # ---- compute instances --------------------------------------------------------------------------
+    @property
+    def instances(self) -> list[_Instance]:
+        """The instances new requests may go to: static ones, then the discovered ones."""
+        return [*self._static, *self._discovered.values()]
+
+    def set_discovered(self, live: dict[str, str]) -> None:
+        """Follow the manager's list, ``{address: instance_id}`` (on the event loop). New addresses take
+        requests from now on; gone ones take no new requests, and their channel closes after their last one."""
+        for address in set(self._discovered) - set(live):
+            inst = self._discovered.pop(address)
+            inst.retired = True
+            self._close_if_idle(inst)
+        static = {i.address for i in self._static}
+        for address, instance_id in live.items():
+            if address not in self._discovered and address not in static:
+                self._discovered[address] = _Instance(address, instance_id)
+
+    def _close_if_idle(self, inst: _Instance) -> None:
+        if inst.retired and inst.in_flight == 0:
+            task = asyncio.get_running_loop().create_task(inst.channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     # ---- generation ---------------------------------------------------------------------------------
     def _validate(self, request: gpb.GenerateRequest) -> gpb.GenerateRequest:
@@ -85,8 +120,11 @@ class RouterServicer(rgrpc.RouterServicer):
         if not candidates:
             if isinstance(last_error, CapacityExhausted):
                 raise last_error
+            if not tried:
+                raise Unavailable("no compute instance is registered with the manager (or given with --compute)")
             raise Unavailable("no compute instance is reachable")
-        return min(candidates, key=lambda i: i.in_flight)
+        turn = next(self._turns) % len(candidates)
+        return min(candidates[turn:] + candidates[:turn], key=lambda i: i.in_flight)  # ties: the next in turn
 
     async def _relay(
         self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -137,6 +175,7 @@ class RouterServicer(rgrpc.RouterServicer):
                 inst.in_flight -= 1
                 self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
                 self._owner.pop(request.request_id, None)
+                self._close_if_idle(inst)
 
     async def GenerateStream(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         async for msg in self._relay(request, context):

@@ -1,0 +1,100 @@
+"""A compute instance's membership: register with the global manager, heartbeat its load, leave on stop.
+
+It registers the address the router dials and its home attention servers (named, or those on its node), then
+heartbeats its batch size, queue and the tokens its running sequences hold, through the shared
+:class:`~infinite_llm.services.lease_keeper.LeaseKeeper` loop. Routers follow the manager's list, so a
+graceful stop deregisters first (no new requests arrive while the running ones drain); a crash is noticed
+when the lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from infinite_llm.pb.v1 import manager_pb2 as mpb
+from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+from infinite_llm.rpc.channels import aio_channel
+from infinite_llm.services.lease_keeper import LeaseKeeper
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ComputeLoadReport:
+    """What a heartbeat carries: sequences running (the batch) and waiting (the queue), and the tokens whose
+    KV the running sequences hold."""
+
+    num_running: int
+    num_waiting: int
+    num_tokens_held: int
+
+
+class ComputeRegistrar:
+    """Keeps one compute instance registered; ``load()`` is read on every heartbeat."""
+
+    def __init__(
+        self,
+        manager_address: str,
+        instance_id: str,
+        address: str,
+        load: Callable[[], ComputeLoadReport],
+        home_server_ids: tuple[str, ...] = (),
+        node_name: str = "",
+    ) -> None:
+        self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=CALL_TIMEOUT_S))
+        self.instance_id, self.address = instance_id, address
+        self.home_server_ids, self.node_name = home_server_ids, node_name
+        self._load = load
+        self._keeper = LeaseKeeper(instance_id, self._register, self._heartbeat)
+        self.registered = self._keeper.registered
+
+    def start(self) -> None:
+        self._keeper.start()
+
+    async def stop(self, deregister: bool = True) -> None:
+        """Stop heartbeating; with ``deregister`` leave the manager's list now rather than after the TTL."""
+        await self._keeper.stop()
+        if deregister and self.registered.is_set():
+            try:
+                await self._stub.DeregisterCompute(
+                    mpb.DeregisterComputeRequest(instance_id=self.instance_id), timeout=CALL_TIMEOUT_S
+                )
+            except grpc.RpcError as e:  # expired already, or the manager is gone: the lease lapses anyway
+                log.warning("deregistering %s failed (%s); its lease will lapse", self.instance_id, e.code().name)
+
+    async def _register(self) -> float:
+        reply = await self._stub.RegisterCompute(
+            mpb.RegisterComputeRequest(
+                instance_id=self.instance_id,
+                address=self.address,
+                home_server_ids=self.home_server_ids,
+                node_name=self.node_name,
+            ),
+            timeout=CALL_TIMEOUT_S,
+        )
+        log.info(
+            "registered compute instance %s at %s (homes %s, node %s; lease %d s)",
+            self.instance_id,
+            self.address,
+            ", ".join(self.home_server_ids) or "-",
+            self.node_name or "-",
+            reply.lease_ttl_s,
+        )
+        return float(reply.lease_ttl_s)
+
+    async def _heartbeat(self) -> None:
+        load = self._load()
+        await self._stub.HeartbeatCompute(
+            mpb.HeartbeatComputeRequest(
+                instance_id=self.instance_id,
+                num_running=load.num_running,
+                num_waiting=load.num_waiting,
+                num_tokens_held=load.num_tokens_held,
+            ),
+            timeout=CALL_TIMEOUT_S,
+        )
