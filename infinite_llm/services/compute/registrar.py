@@ -59,7 +59,9 @@ class ComputeRegistrar:
     async def stop(self, deregister: bool = True) -> None:
         """Stop heartbeating; with ``deregister`` leave the manager's list now rather than after the TTL."""
         await self._keeper.stop()
-        if deregister and self.registered.is_set():
+        was_registered = self.registered.is_set()
+        self.registered.clear()
+        if deregister and was_registered:
             try:
                 await self._stub.DeregisterCompute(
                     mpb.DeregisterComputeRequest(instance_id=self.instance_id), timeout=CALL_TIMEOUT_S
