@@ -71,6 +71,7 @@ def test_attention_servers_register_as_their_pod_at_its_stable_name(rendered, re
     assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]} == {
         "POD_NAME": "metadata.name",
         "POD_NAMESPACE": "metadata.namespace",
+        "NODE_NAME": "spec.nodeName",
     }
     server_id = expand(arg_value(c, "--server-id"), pod)
     assert server_id == "attention-2"
@@ -83,6 +84,25 @@ def test_attention_servers_register_as_their_pod_at_its_stable_name(rendered, re
     # No replicas in the manifest: `kubectl apply` must not undo the autoscaler.
     assert "replicas" not in sts["spec"]
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_compute_instances_register_their_pod_ip_and_node_and_the_router_follows_the_manager(rendered, render):
+    """Homes by node: a compute pod and the attention pods on its node report the same spec.nodeName, so the
+    manager makes them its homes; the router reaches the pods the manager lists, at their pod IPs."""
+    docs = rendered[render]
+    compute = main_container(one(docs, "Deployment", "compute"))
+    attention = main_container(one(docs, "StatefulSet", "attention"))
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in compute["env"]}
+    assert fields == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP", "NODE_NAME": "spec.nodeName"}
+    pod = {"POD_NAME": "compute-7f9c-x2", "POD_IP": "10.1.2.3", "NODE_NAME": "node-a"}
+    assert expand(arg_value(compute, "--node-name"), pod) == "node-a"
+    assert expand(arg_value(attention, "--node-name"), pod) == "node-a"
+    assert expand(arg_value(compute, "--advertise-host"), pod) == "10.1.2.3"
+    assert expand(arg_value(compute, "--instance-id"), pod) == "compute-7f9c-x2"
+    router = main_container(one(docs, "Deployment", "router"))
+    assert arg_value(router, "--manager") == "$(MANAGER_ADDRESS)"
+    assert not [a for a in router["args"] if a.startswith("--compute")]  # discovery, not the static Service
 
 
 @pytest.mark.parametrize("render", RENDERS)
@@ -142,7 +162,7 @@ def test_network_policies_let_only_mesh_components_in(rendered, render):
     assert got == {
         # gRPC only from mesh components; the metrics port (no KV, no control) from any scraper.
         "attention": (["attention"], [(["attention", "compute", "manager"], ["grpc"]), ("anyone", ["metrics"])]),
-        "manager": (["manager"], [(["attention", "compute"], ["grpc"]), ("anyone", ["metrics"])]),
+        "manager": (["manager"], [(["attention", "compute", "router"], ["grpc"]), ("anyone", ["metrics"])]),
         "etcd": (["etcd"], [(["etcd", "manager"], ["grpc"]), (["etcd"], ["peer"])]),
     }
 
