@@ -1,14 +1,15 @@
 """Prefill and decode tokens/s of the engine vs HF transformers on the same model, side by side in one run.
 
 Both sides run in this process, interleaved, on the same weights (the default SmolLM2-135M-Instruct in fp32,
-CPU, ``torch.get_num_threads()`` threads). Every figure is the best of ``--repeats`` timed runs after a
-warm-up, so a burst of load from another process on a small machine does not decide a ratio.
+CPU, ``torch.get_num_threads()`` threads). Every figure is the best (or with ``--stat median``, the median)
+of ``--repeats`` timed runs after a warm-up, so a burst of load from another process on a small machine does
+not decide a ratio.
 
 - Prefill: one prompt of 512, 2,048 and 4,096 tokens, one new token on each side (engine ``generate`` with
   ``max_tokens=1`` vs HF ``generate`` with ``max_new_tokens=1``); tok/s = prompt tokens / seconds. The engine
-  runs twice: with its default per-step token budget (``max_num_batched_tokens`` 512, so a long prompt is
-  prefilled in 512-token chunks, each attending to the KV of the chunks before it) and with a budget as large
-  as the prompt (one step, as HF does).
+  runs twice: with its default per-step token budget (``max_num_batched_tokens``, 2,048 as vLLM's CPU server
+  default, so a longer prompt is prefilled in chunks, each attending to the KV of the chunks before it) and
+  with a budget as large as the prompt (one step, as HF does).
 - Decode: batch 1 and 16; decode is isolated from prefill by timing each run with ``n`` and with 1 new token
   and dividing the extra tokens by the extra time.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 from collections.abc import Callable
 
@@ -73,13 +75,17 @@ def hf_seconds(model, tokenizer, ids: list[list[int]], n: int) -> float:  # noqa
     return time.perf_counter() - t
 
 
+STAT: Callable[[list[float]], float] = min  # best of the repeats; --stat median sets statistics.median
+
+
 def best_seconds(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
-    """Best time of each run over ``repeats`` rounds; the runs interleave so load hits them alike."""
-    best = dict.fromkeys(runs, float("inf"))
+    """``STAT`` (best or median) time of each run over ``repeats`` rounds; the runs interleave so load hits
+    them alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            best[name] = min(best[name], run())
-    return best
+            times[name].append(run())
+    return {name: STAT(t) for name, t in times.items()}
 
 
 def decode_step_seconds(run: RunFn, ids: list[list[int]], n: int, repeats: int = 1) -> float:
@@ -131,9 +137,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-lengths", type=int, nargs="*", default=[512, 2048, 4096])
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per figure (the best is kept)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per figure")
+    ap.add_argument("--stat", choices=["best", "median"], default="best", help="figure kept of the timed runs")
     ap.add_argument("--partitions", type=int, default=1, help="DistAttention partitions of the engine")
     a = ap.parse_args()
+    global STAT
+    STAT = min if a.stat == "best" else statistics.median
     from transformers import AutoModelForCausalLM
 
     resolved = resolve_model(None)
@@ -150,7 +159,7 @@ def main() -> None:
     ).eval()
     print(
         f"model {resolved.name}, fp32, CPU threads {torch.get_num_threads()}, engine partitions {a.partitions}, "
-        f"HF attention {hf.config._attn_implementation}, best of {a.repeats}"
+        f"HF attention {hf.config._attn_implementation}, {a.stat} of {a.repeats}"
     )
     if a.prompt_lengths:
         prefill_table(engines, hf, tokenizer, a.prompt_lengths, a.repeats)

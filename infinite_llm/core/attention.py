@@ -126,10 +126,17 @@ def partial_attention(
         else:
             _decode_batched(query, k_cache, v_cache, meta, scale, out, lse)
     else:
-        for keys in _prefill_keys(meta, k_cache.shape[1]):
+        seq_keys = _prefill_keys(meta, k_cache.shape[1])
+        if len(seq_keys) == 1 and seq_keys[0].query_lo == 0 and seq_keys[0].query_hi == num_tokens:
+            whole, whole_lse = _prefill_attention(query, k_cache, v_cache, seq_keys[0], scale)  # no copy into out
+            return whole.to(query.dtype), whole_lse
+        for keys in seq_keys:
             rows = slice(keys.query_lo, keys.query_hi)
             out[rows], lse[rows] = _prefill_attention(query[rows], k_cache, v_cache, keys, scale)
     return out.to(query.dtype), lse
+
+
+_Part = tuple[torch.Tensor, torch.Tensor]  # (out [T, H, D], lse [T, H]) fp32
 
 
 @dataclass(frozen=True)
@@ -138,15 +145,17 @@ class _SeqKeys:
 
     Keys come in two parts, each as flat pool slots (``block_id * block_size + offset``) in position order:
     ``prefix_slots [P]`` are visible to every query (no mask; in a prefill chunk, the earlier chunks), and
-    ``slots [S]`` the rest that at least one query sees. For the rest, ``mask [T, S]`` is fp32 additive
+    ``slots [S]`` the rest that at least one query sees. Either part may instead be a ``slice`` of the pool
+    when its slots are consecutive (blocks allocated in order, the common case): read as a view, no gather.
+    For the rest, ``mask [T, S]`` is fp32 additive
     (0 visible, -inf hidden), or None when ``causal`` (key ``j`` visible to query ``i`` iff ``j <= i``: the
     chunk's own tokens); ``no_key [T]`` bool marks queries that see none of them (None when all see one).
     """
 
     query_lo: int
     query_hi: int
-    prefix_slots: torch.Tensor
-    slots: torch.Tensor
+    prefix_slots: torch.Tensor | slice
+    slots: torch.Tensor | slice
     mask: torch.Tensor | None
     causal: bool
     no_key: torch.Tensor | None
@@ -181,7 +190,15 @@ def _seq_keys(meta: PartialAttentionMetadata, s: int, lo: int, hi: int, n: int, 
     causal = kpos.numel() == qpos.numel() and torch.equal(kpos, qpos)  # positions are unique, so j <= i
     mask = None if causal else _additive(visible)
     no_key = no_key if bool(no_key.any()) else None
-    return _SeqKeys(lo, hi, slots[:num_prefix], slots[num_prefix:], mask, causal, no_key)
+    return _SeqKeys(lo, hi, _as_range(slots[:num_prefix]), _as_range(slots[num_prefix:]), mask, causal, no_key)
+
+
+def _as_range(slots: torch.Tensor) -> torch.Tensor | slice:
+    """``slots [n]`` as ``slice(first, first + n)`` when they are consecutive (a view replaces a gather)."""
+    n = slots.numel()
+    if n and int(slots[-1]) - int(slots[0]) == n - 1 and bool((slots.diff() == 1).all()):
+        return slice(int(slots[0]), int(slots[0]) + n)
+    return slots
 
 
 def _additive(visible: torch.Tensor) -> torch.Tensor:
@@ -197,25 +214,63 @@ def _prefill_attention(
     The unmasked prefix and the masked (or causal) rest are two kernel calls, merged exactly: a mask costs
     a read per score, and a causal call skips the hidden half of the chunk's own tokens.
     """
-    parts = []
-    if keys.prefix_slots.numel():
-        parts.append(_attention_over(q, k_cache, v_cache, keys.prefix_slots, None, False, scale))
-    if keys.slots.numel():
-        out, lse = _attention_over(q, k_cache, v_cache, keys.slots, keys.mask, keys.causal, scale)
-        if keys.no_key is not None:  # the CPU kernel leaves these rows finite; the contract says 0 and -inf
-            out = out.masked_fill(keys.no_key[:, None, None], 0.0)
-            lse = lse.masked_fill(keys.no_key[:, None], -math.inf)
-        parts.append((out, lse))
-    if len(parts) == 1:
-        return parts[0]
-    return merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    prefix = None
+    if _count(keys.prefix_slots):
+        prefix = _attention_over_prefix(q, k_cache, v_cache, keys.prefix_slots, scale)
+    if not _count(keys.slots):
+        assert prefix is not None, "a sequence's keys are never both empty"
+        return prefix
+    out, lse = _attention_over(q, k_cache, v_cache, keys.slots, keys.mask, keys.causal, scale)
+    if keys.no_key is not None:  # the CPU kernel leaves these rows finite; the contract says 0 and -inf
+        out = out.masked_fill(keys.no_key[:, None, None], 0.0)
+        lse = lse.masked_fill(keys.no_key[:, None], -math.inf)
+    return (out, lse) if prefix is None else _merge_two(prefix, (out, lse))
+
+
+def _count(slots: torch.Tensor | slice) -> int:
+    return slots.stop - slots.start if isinstance(slots, slice) else slots.numel()
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+    """Rows ``slots`` of one layer's pool ``[num_pool_blocks, block_size, Hkv, D]`` -> ``[S, Hkv, D]`` fp32."""
+    flat = cache.view(-1, *cache.shape[2:])  # (num_pool_blocks * block_size, Hkv, D)
+    return (flat[slots] if isinstance(slots, slice) else flat.index_select(0, slots)).float()
+
+
+def _merge_two(a: _Part, b: _Part) -> _Part:
+    """:func:`merge_partials` of two parts ``(out [T, H, D], lse [T, H])`` fp32 where ``a``'s lse is finite and
+    both outputs are finite (a prefill chunk: every query sees the earlier chunks). Without the stack and the
+    NaN guard of the general merge: 2 passes over the outputs instead of ~8 (~10x faster at 2,048 tokens)."""
+    lse = torch.logaddexp(a[1], b[1])  # (T, H), finite since a[1] is
+    out = a[0] * torch.exp(a[1] - lse).unsqueeze(-1)  # (T, H, D)
+    return out.addcmul_(b[0], torch.exp(b[1] - lse).unsqueeze(-1)), lse
+
+
+def _attention_over_prefix(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor | slice, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, H, D]`` over keys every query sees (no mask) -> ``(out [T, H, D], lse [T, H])`` fp32.
+
+    The ``G`` query heads sharing a KV head go on the query axis, ``q [1, Hkv, G*T, D]`` against
+    ``k [1, Hkv, S, D]``: exact (no mask, so a query's row does not depend on its neighbours; bitwise equal to
+    :func:`_attention_over` on the development CPU), and the CPU kernel picks its larger query tile for
+    ``G*T >= 768`` (256 rows, not 64): ~10% faster for a 512-token chunk.
+    """
+    t, h, d = q.shape
+    hkv = k_cache.shape[2]
+    k = _gather(k_cache, slots).permute(1, 0, 2).unsqueeze(0)  # (1, Hkv, S, D)
+    v = _gather(v_cache, slots).permute(1, 0, 2).unsqueeze(0)
+    qf = q.float().view(t, hkv, h // hkv, d).permute(1, 2, 0, 3).reshape(1, hkv, -1, d)  # (1, Hkv, G*T, D)
+    out, lse = _attention_lse(qf, k, v, None, False, scale)  # (1, Hkv, G*T, D), (1, Hkv, G*T)
+    out = out.view(hkv, h // hkv, t, d).permute(2, 0, 1, 3).reshape(t, h, d)
+    return out, lse.view(hkv, h // hkv, t).permute(2, 0, 1).reshape(t, h)
 
 
 def _attention_over(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | slice,
     mask: torch.Tensor | None,
     causal: bool,
     scale: float,
@@ -224,8 +279,8 @@ def _attention_over(
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
-    k = k_cache.view(-1, hkv, d).index_select(0, slots).float()  # (S, Hkv, D)
-    v = v_cache.view(-1, hkv, d).index_select(0, slots).float()
+    k = _gather(k_cache, slots)  # (S, Hkv, D)
+    v = _gather(v_cache, slots)
     qf = q.float().view(t, hkv, g, d).permute(1, 2, 0, 3)  # (Hkv, G, T, D)
     kf = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, g, -1, d)  # (Hkv, G, S, D), no copy over G
     vf = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, g, -1, d)

@@ -46,7 +46,7 @@ class EngineConfig:
     num_kv_blocks: int = 2048
     num_partitions: int = 1
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048  # per-step token budget: vLLM's CPU server default (M=512 GEMMs run slower)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     # Decode steps of the local engine replay CUDA graphs (one per batch-size bucket up to
