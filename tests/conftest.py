@@ -34,7 +34,12 @@ def default_model_path():
 def default_weights(default_model_path):
     from infinite_llm.models.registry import load_model_files, resolve_model
 
-    return load_model_files(resolve_model(None), torch.float32)
+    try:
+        return load_model_files(resolve_model(None), torch.float32)
+    except ImportError as exc:  # a machine with torch and the kernels' stack only (the GPU machine)
+        if os.environ.get(NO_DOWNLOAD_ENV) != "1":
+            raise
+        pytest.skip(f"the model's loader cannot import here ({exc}) and {NO_DOWNLOAD_ENV}=1")
 
 
 @pytest.fixture(scope="session")
