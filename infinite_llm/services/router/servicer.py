@@ -91,7 +91,9 @@ class RouterServicer(rgrpc.RouterServicer):
             self._close_if_idle(inst)
         static = {i.address for i in self._static}
         for address, instance_id in live.items():
-            if address not in self._discovered and address not in static:
+            if address in self._discovered:
+                self._discovered[address].instance_id = instance_id  # another instance took over the port
+            elif address not in static:
                 self._discovered[address] = _Instance(address, instance_id)
 
     def _close_if_idle(self, inst: _Instance) -> None:
