@@ -1,0 +1,33 @@
+"""Flags of ``infinite-llm serve compute|router`` for the cluster view: bad values exit 2 naming the flag,
+before any model is loaded or any service is called (a real process, as a user runs it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "infinite_llm.cli"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["compute", "--home", ""], "home must be a non-empty string"),
+        (["compute", "--home", "attn-0,attn 1"], "home may only hold the characters"),
+        (["compute", "--node-name", "node/1"], "node-name may only hold the characters"),
+        (["compute", "--instance-id", "a/b"], "instance_id may only hold the characters"),
+        (["attention", "--node-name", "node 1"], "node-name may only hold the characters"),
+        (["router"], "router needs --manager HOST:PORT (discovery) or --compute HOST:PORT"),
+        (["router", "--manager", "127.0.0.1:1", "--discovery-interval", "0"], "discovery interval must be > 0 s"),
+    ],
+)
+def test_bad_cluster_view_flags_exit_2_naming_the_problem(args, message):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("NODE_NAME", None)
+    proc = subprocess.run([*CLI, "serve", *args], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    flat = " ".join(proc.stderr.replace("│", " ").split())  # rich boxes and wraps the message
+    assert message in flat, proc.stderr
