@@ -238,8 +238,10 @@ def compare_decode(hf, engine: LLMEngine, eager: LLMEngine, work: Workload) -> N
               f"HF {theirs.decode_tok_s:9.1f}  engine/HF {ours.decode_tok_s / theirs.decode_tok_s:5.2f}  "
               f"engine/eager {ours.decode_tok_s / slow.decode_tok_s:5.2f}  "
               f"({same}/{batch} sequences with the eager tokens)")  # fmt: skip
-    print("  (bf16: graphs size the KV splits for a bucket's full block-table width, eager for the step's, so\n"
-          "   rounding differs and random-weight greedy paths may part; fp32 equality with HF is checked above)")
+    print(
+        "  (bf16: graphs size the KV splits for a bucket's full block-table width, eager for the step's, so\n"
+        "   rounding differs and random-weight greedy paths may part; fp32 equality with HF is checked above)"
+    )
 
 
 def compare_long_prompt(hf, engine: LLMEngine, eager: LLMEngine, work: Workload) -> None:

@@ -109,8 +109,16 @@ class TokenIds:
 
 def tiny_engine(device: str, dtype: torch.dtype, **overrides) -> LLMEngine:
     """A 2-layer random-weight Llama (GQA 4/2 heads, head_dim 64) on ``device``."""
-    cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():

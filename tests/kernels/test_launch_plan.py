@@ -20,7 +20,13 @@ def llama(batch: int, context: int, query_len: int = 1, elem_bytes: int = 2, **c
 def test_decode_of_one_long_sequence_spreads_over_every_sm():
     # 8 programs without splits; 4 per SM wants 66 splits, aligned to whole 64-key iterations: 64 x 512 keys
     assert plan_launch(llama(1, 32768), H200_SMS) == LaunchPlan(
-        block_m=16, block_n=64, num_q_tiles=1, num_splits=64, blocks_per_split=32, split_align=4, num_warps=4,
+        block_m=16,
+        block_n=64,
+        num_q_tiles=1,
+        num_splits=64,
+        blocks_per_split=32,
+        split_align=4,
+        num_warps=4,
         num_stages=3,
     )
 
