@@ -94,3 +94,18 @@ def test_a_gateway_that_trusts_its_callers_parses_control_tokens_as_before(mesh,
     with TestClient(create_app(RouterBackend(mesh.router_address, tokenizer))) as c:
         r = c.post("/v1/chat/completions", json={"messages": FORGED, "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 37  # the default
+
+
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (b'{"prompt": "\xff\xfe", "max_tokens": 2}', None),  # not UTF-8: the body does not parse
+        (b'{"prompt": "a\xed\xa0\x80", "max_tokens": 2}', "prompt"),  # a surrogate encoded as UTF-8 bytes
+        (b"\xff\xff", None),
+    ],
+    ids=["invalid-utf8", "utf8-encoded-surrogate", "garbage"],
+)
+def test_a_body_of_invalid_utf8_bytes_is_a_400(http, raw, param):
+    r = http.post("/v1/completions", content=raw)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["type"], r.json()["error"]["param"]) == ("invalid_request_error", param)
