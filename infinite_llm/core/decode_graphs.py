@@ -205,10 +205,7 @@ class DecodeGraphs:
         Host work only (lists into numpy), then one upload per buffer: no kernel, no host sync.
         """
         n = len(steps)
-        plans: dict[HolderId, list[SeqStep]] = {}
-        for s in steps:
-            for h in self.dist.holders_of_step(s):
-                plans.setdefault(h, []).append(s)
+        plans = self.dist.holder_plans(steps)
         built = {h: self.holders[h].rmanager.plan_rows(seqs) for h, seqs in plans.items()}  # checks, then writes
         row_of = {s.seq_id: i for i, s in enumerate(steps)}
         self.input_ids.np[:n] = input_ids

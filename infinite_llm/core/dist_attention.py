@@ -120,7 +120,7 @@ class PartialsBuffer:
 
 
 @dataclass(frozen=True)
-class HolderRows:
+class _HolderRows:
     """One holder's share of a step: its query rows and the rows of the new tokens it stores.
 
     ``None`` means every row of the step, in order (no gather needed).
@@ -134,7 +134,7 @@ class StepAttention:
     """The attention callable of one step (``AttentionFn``): fan out per layer, merge. Close it after the
     step (``with``), so the holders drop their plans."""
 
-    def __init__(self, owner: DistAttention, step_id: int, rows: dict[HolderId, HolderRows]) -> None:
+    def __init__(self, owner: DistAttention, step_id: int, rows: dict[HolderId, _HolderRows]) -> None:
         self._owner = owner
         self.step_id = step_id
         self.rows = rows
@@ -258,34 +258,34 @@ class DistAttention:
 
         Raises :class:`InvalidRequest` when a block table is too short for its step.
         """
-        plans, rows = self.split_step(seqs)
-        step_id = next(self._step_ids)
-        self.transport.open_step(step_id, plans, num_heads)
-        return StepAttention(self, step_id, rows)
-
-    def split_step(self, seqs: list[SeqStep]) -> tuple[dict[HolderId, list[SeqStep]], dict[HolderId, HolderRows]]:
-        """Which holders serve which sequences of a step, and each holder's query rows and new-K/V rows.
-
-        Rows number the step's tokens (``seqs``' new tokens concatenated); ``None`` rows mean every row.
-        Raises :class:`InvalidRequest` when a block table is too short for its step.
-        """
-        plans: dict[HolderId, list[SeqStep]] = {}
-        query_rows: dict[HolderId, list[int]] = {}
-        new_rows: dict[HolderId, list[int]] = {}
+        plans = self.holder_plans(seqs)
+        first_row: dict[str, int] = {}
+        new_rows: dict[HolderId, list[int]] = {h: [] for h in plans}
         start = 0
         for s in seqs:
-            for holder in self.holders_of_step(s):
-                plans.setdefault(holder, []).append(s)
-                query_rows.setdefault(holder, []).extend(range(start, start + s.num_new))
-                new_rows.setdefault(holder, [])
+            first_row[s.seq_id] = start
             table = self._tables[s.seq_id]
             for row, pos in enumerate(range(s.num_computed_tokens, s.context_len), start=start):
                 new_rows[table[pos // self.block_size].holder].append(row)
             start += s.num_new
-        rows = {h: HolderRows(self._index(query_rows[h], start), self._index(new_rows[h], start)) for h in plans}
-        return plans, rows
+        rows = {}
+        for h, planned in plans.items():
+            query_rows = [r for p in planned for r in range(first_row[p.seq_id], first_row[p.seq_id] + p.num_new)]
+            rows[h] = _HolderRows(self._index(query_rows, start), self._index(new_rows[h], start))
+        step_id = next(self._step_ids)
+        self.transport.open_step(step_id, plans, num_heads)
+        return StepAttention(self, step_id, rows)
 
-    def holders_of_step(self, s: SeqStep) -> list[HolderId]:
+    def holder_plans(self, seqs: list[SeqStep]) -> dict[HolderId, list[SeqStep]]:
+        """The sequences of a step each holder serves (those with an rBlock below the step's context), in
+        step order. Raises :class:`InvalidRequest` when a block table is too short for its step."""
+        plans: dict[HolderId, list[SeqStep]] = {}
+        for s in seqs:
+            for holder in self._holders_of_step(s):
+                plans.setdefault(holder, []).append(s)
+        return plans
+
+    def _holders_of_step(self, s: SeqStep) -> list[HolderId]:
         """Holders of an rBlock below the step's context, in table order."""
         table = self._tables.get(s.seq_id, [])
         num_blocks = -(-s.context_len // self.block_size)
