@@ -76,8 +76,15 @@ class Placement(Protocol):
 class AttentionTransport(Protocol):
     """How a step reaches the holders. Every method raises the typed errors of ``core/errors.py``."""
 
-    def open_step(self, step_id: int, plans: Mapping[HolderId, list[SeqStep]], num_heads: int) -> None:
-        """Tell each holder the sequences of a step it serves (it builds and keeps its plan)."""
+    def open_step(
+        self,
+        step_id: int,
+        plans: Mapping[HolderId, list[SeqStep]],
+        num_heads: int,
+        num_kv_rows: Mapping[HolderId, int] | None = None,
+    ) -> None:
+        """Tell each holder the sequences of a step it serves (it builds and keeps its plan).
+        ``num_kv_rows``: per holder, the K/V rows each layer will store there (sizes fixed-size transports)."""
         ...
 
     def attend(self, step_id: int, layer: int, inputs: Mapping[HolderId, LayerInput]) -> dict[HolderId, Partial]:
@@ -273,7 +280,7 @@ class DistAttention:
             query_rows = [r for p in planned for r in range(first_row[p.seq_id], first_row[p.seq_id] + p.num_new)]
             rows[h] = _HolderRows(self._index(query_rows, start), self._index(new_rows[h], start))
         step_id = next(self._step_ids)
-        self.transport.open_step(step_id, plans, num_heads)
+        self.transport.open_step(step_id, plans, num_heads, {h: len(new_rows[h]) for h in plans})
         return StepAttention(self, step_id, rows)
 
     def holder_plans(self, seqs: list[SeqStep]) -> dict[HolderId, list[SeqStep]]:

@@ -66,7 +66,13 @@ class LocalTransport:
         self.holders = dict(holders)
         self._plans: dict[int, dict[HolderId, StepPlan]] = {}
 
-    def open_step(self, step_id: int, plans: Mapping[HolderId, list[SeqStep]], num_heads: int) -> None:
+    def open_step(
+        self,
+        step_id: int,
+        plans: Mapping[HolderId, list[SeqStep]],
+        num_heads: int,
+        num_kv_rows: Mapping[HolderId, int] | None = None,
+    ) -> None:
         self._plans[step_id] = {h: self.holders[h].plan_step(seqs) for h, seqs in plans.items()}
 
     def attend(self, step_id: int, layer: int, inputs: Mapping[HolderId, LayerInput]) -> dict[HolderId, Partial]:

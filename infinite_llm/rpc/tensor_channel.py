@@ -16,6 +16,7 @@ import datetime
 import math
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ TO_SERVER, TO_COMPUTE = 0, 1  # tag directions
 MAX_LAYERS = 1024  # layers a tag can tell apart
 _TAG_STEPS = (1 << 31) // (2 * MAX_LAYERS)  # steps before tags repeat (~1M: far longer than any stale message)
 ACCEPTED = "accepted/"  # store key prefix the server sets once it agreed to join a channel
+STATUS_BYTES = 8  # a reply opens with one int64 status (8 bytes also keeps the fp32 lse after it aligned)
+LAYER_OK, LAYER_FAILED = 0, 1  # reply statuses; a failed layer's error ends the step's gRPC stream
 
 
 def layer_tag(step_id: int, layer: int, direction: int) -> int:
@@ -96,3 +99,59 @@ def unpack(buffer: torch.Tensor, metas: Sequence, fields: Sequence[str]) -> list
         out.append(buffer[start : start + size].view(dtype).view(tuple(meta.shape)))
         start += size
     return out
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """Byte sizes of one layer of a channel step, fixed by the step's shape, never by the context.
+
+    ``layer_nbytes``: q|k|v, ``query [num_tokens, num_heads, head_dim]`` then ``key, value [num_kv_rows,
+    num_kv_heads, head_dim]`` in ``dtype``. ``reply_nbytes``: the int64 status, then ``lse [num_tokens,
+    num_heads]`` fp32, then ``partial_out [num_tokens, num_heads, head_dim]`` in ``dtype``.
+    """
+
+    num_tokens: int
+    num_heads: int
+    num_kv_rows: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def metas(self) -> list:
+        """Data-less ``Tensor`` messages of query, key, value (for :func:`unpack`)."""
+        n, h, kv, hkv, d = self.num_tokens, self.num_heads, self.num_kv_rows, self.num_kv_heads, self.head_dim
+        return [codec.tensor_meta(self.dtype, s) for s in ((n, h, d), (kv, hkv, d), (kv, hkv, d))]
+
+    def reply_metas(self) -> list:
+        """Data-less ``Tensor`` messages of lse, partial_out (the reply after its status)."""
+        n, h, d = self.num_tokens, self.num_heads, self.head_dim
+        return [codec.tensor_meta(torch.float32, (n, h)), codec.tensor_meta(self.dtype, (n, h, d))]
+
+    @property
+    def layer_nbytes(self) -> int:
+        return (
+            (self.num_tokens * self.num_heads + 2 * self.num_kv_rows * self.num_kv_heads)
+            * self.head_dim
+            * (self.dtype.itemsize)
+        )
+
+    @property
+    def reply_nbytes(self) -> int:
+        rows = self.num_tokens * self.num_heads
+        return STATUS_BYTES + rows * 4 + rows * self.head_dim * self.dtype.itemsize
+
+
+def reply(status: int, tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
+    """A layer's reply buffer (``uint8 [nbytes]``): ``status`` then ``tensors`` (lse, partial_out), or zeros
+    after a failed status (the peer posted a receive of exactly ``nbytes``)."""
+    head = torch.tensor([status], dtype=torch.int64)
+    if status != LAYER_OK:
+        out = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        out[:STATUS_BYTES] = head.view(torch.uint8).to(device)
+        return out
+    return pack([head.to(device), *tensors], device)
+
+
+def reply_status(buffer: torch.Tensor) -> int:
+    """The int64 status a reply buffer (``uint8``) opens with."""
+    return int(buffer[:STATUS_BYTES].cpu().view(torch.int64)[0])

@@ -1,15 +1,17 @@
 """AttentionServer servicer: decode with the codec, call the holder, encode the reply. Nothing else.
 
-Every holder call (and the decode/encode around it) runs on one dedicated thread, so the RManager is
-never touched concurrently and the event loop stays free for health checks and streaming. A step that
-names a tensor channel (``tensor_channels.py``) receives each layer's bytes on the channel's thread first,
-then runs the layer on the rManager's thread, which queues the partial's bytes back on the channel. Errors
-are typed (``core/errors.py``) and become status codes in ``rpc/interceptors/errors.py``.
+Holder calls (and the decode/encode around them) run off the event loop, on one dedicated thread or on a
+tensor channel's thread, under one lock, so the RManager is never touched concurrently and the event loop
+stays free for health checks and streaming. A step that names a tensor channel (``tensor_channels.py``) is
+served whole on the channel's thread: plan, then per layer receive q|k|v, attend, send the reply; nothing
+crosses the event loop per layer. Errors are typed (``core/errors.py``) and become status codes in
+``rpc/interceptors/errors.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,12 +47,14 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         self.server_id = server_id
         self.channels = channels
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rmanager-{server_id}")
+        self._lock = threading.Lock()  # the holder is not thread-safe: its executor and channel threads take turns
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._locked, fn, *args)
 
-    async def _on(self, channel: TensorChannel, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(channel.thread, fn, *args)
+    def _locked(self, fn: Callable[..., T], *args: object) -> T:
+        with self._lock:
+            return fn(*args)
 
     def close(self) -> None:
         if self.channels is not None:
@@ -103,19 +107,15 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         first = await anext(stream, None)
         if first is None or first.WhichOneof("part") != "open":
             raise InvalidRequest("an AttendStream must start with a StepOpen")
-        channel = self._channels().get(first.open.tensor_channel) if first.open.tensor_channel else None
+        if first.open.tensor_channel:
+            await self._channel_step(first.open)  # the layers travel on the channel: nothing to yield
+            return
         seqs = [SeqStep(s.seq_id, s.num_computed_tokens, s.num_new) for s in first.open.seqs]
         step = await self._run(self.holder.open_step, seqs, first.open.num_heads)
         async for msg in stream:
             if msg.WhichOneof("part") != "layer":
                 raise InvalidRequest("an AttendStream carries exactly one StepOpen, first")
-            if channel is None:
-                yield await self._run(self._attend_layer, step, msg.layer)
-                continue
-            tag = (first.open.step_id, msg.layer.layer)
-            metas = (msg.layer.query, msg.layer.key, msg.layer.value)
-            buffer = await self._on(channel, channel.recv_layer, *tag, metas)  # consumed before anything can fail
-            yield await self._run(self._attend_channel_layer, step, msg.layer, buffer, channel, tag)
+            yield await self._run(self._attend_layer, step, msg.layer)
 
     def _attend_layer(self, step: ServerStep, msg: pb.LayerInput) -> pb.LayerPartial:
         query = codec.decode_tensor(msg.query, field="query")
@@ -130,23 +130,66 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         codec.encode_tensor(lse, reply.lse)
         return reply
 
-    def _attend_channel_layer(
-        self, step: ServerStep, msg: pb.LayerInput, buffer: torch.Tensor, channel: TensorChannel, tag: tuple[int, int]
-    ) -> pb.LayerPartial:
-        """A layer whose q|k|v came on ``channel`` (``buffer``: uint8, described by ``msg``'s data-less
-        tensors); the partial goes back on it as lse|partial_out (lse first: fp32 keeps every view aligned)."""
-        fields = ("query", "key", "value")
-        query, key, value = tc.unpack(buffer, (msg.query, msg.key, msg.value), fields)
-        start = time.perf_counter()
-        out, lse = self.holder.attend_layer(step, msg.layer, query, key, value)
-        if self.on_attend_step is not None:
-            self.on_attend_step(time.perf_counter() - start)
-        channel.send(tc.pack([lse, out], channel.device), tc.layer_tag(*tag, tc.TO_COMPUTE))
-        return pb.LayerPartial(
-            layer=msg.layer,
-            partial_out=codec.tensor_meta(out.dtype, out.shape),
-            lse=codec.tensor_meta(lse.dtype, lse.shape),
+    async def _channel_step(self, open_msg: pb.StepOpen) -> None:
+        """A step whose layers travel on a tensor channel, served on the channel's thread from its plan to
+        its last layer (no per-layer hop through the event loop). A cancelled stream closes the channel,
+        which unblocks its thread; the compute instance opens another. Raises the failed layer's error."""
+        channel = self._channels().get(open_msg.tensor_channel)
+        layout = self.holder.layout
+        sizes = tc.StepSizes(
+            num_tokens=sum(s.num_new for s in open_msg.seqs),
+            num_heads=open_msg.num_heads,
+            num_kv_rows=open_msg.num_kv_rows,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=layout.dtype,
         )
+        channel.check_sizes(sizes)
+        future = asyncio.get_running_loop().run_in_executor(
+            channel.thread, self._serve_channel_step, channel, open_msg, sizes
+        )
+        try:
+            error = await future
+        except asyncio.CancelledError:
+            self._discard(open_msg.tensor_channel)
+            raise
+        if error is not None:
+            raise error
+
+    def _serve_channel_step(
+        self, channel: TensorChannel, open_msg: pb.StepOpen, sizes: tc.StepSizes
+    ) -> Exception | None:
+        """Channel thread: plan the step (its error answers layer 0), then serve every layer."""
+        seqs = [SeqStep(s.seq_id, s.num_computed_tokens, s.num_new) for s in open_msg.seqs]
+        try:
+            with self._lock:
+                step: ServerStep | Exception = self.holder.open_step(seqs, open_msg.num_heads)
+            if step.plan.num_new_here != sizes.num_kv_rows:
+                raise InvalidRequest(
+                    f"num_kv_rows is {sizes.num_kv_rows}; this server stores {step.plan.num_new_here} rows of the step"
+                )
+        except Exception as e:  # noqa: BLE001 (sent as layer 0's failed status, then raised by the stream)
+            step = e
+
+        def attend(
+            layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if isinstance(step, Exception):
+                raise step
+            start = time.perf_counter()
+            with self._lock:
+                out, lse = self.holder.attend_layer(step, layer, query, key, value)
+            if self.on_attend_step is not None:
+                self.on_attend_step(time.perf_counter() - start)
+            return lse, out
+
+        return channel.serve_step(open_msg.step_id, self.holder.layout.num_layers, sizes, attend)
+
+    def _discard(self, channel_id: str) -> None:
+        try:
+            self._channels().close(channel_id)
+        except NotFound:
+            pass  # closed meanwhile (CloseTensorChannel)
 
     # ---- tensor channels ----------------------------------------------------------------------------
     def _channels(self) -> TensorChannels:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,6 +24,7 @@ from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFoun
 from infinite_llm.rpc import tensor_channel as tc
 
 log = logging.getLogger(__name__)
+LayerFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 MAX_TIMEOUT_MS = 10 * 60 * 1000  # a channel's collective timeout is capped at 10 minutes
 MAX_LAYER_BYTES = 1 << 31  # one layer's input larger than 2 GiB is not a step this server could hold
 
@@ -38,22 +40,23 @@ class TensorChannel:
         self._pending: list = []  # send works not yet waited on (their buffers must outlive them)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"channel-{channel_id[:24]}")
 
-    def recv_layer(self, step_id: int, layer: int, metas) -> torch.Tensor:  # noqa: ANN001 (tensor_pb2.Tensor)
-        """One layer's q|k|v bytes, as described by the data-less ``Tensor`` messages ``metas``. Channel thread.
-
-        Bytes that cannot be sized (a bad dtype name or shape, a layer past the tags) cannot be consumed, so
-        the channel breaks (raises ``InvalidRequest``; later steps on it get ``Unavailable``).
+    def serve_step(self, step_id: int, num_layers: int, sizes: tc.StepSizes, attend: LayerFn) -> Exception | None:
+        """Serve one step's layers ``0 .. num_layers-1`` in order (channel thread): receive each layer's
+        q|k|v (``sizes.layer_nbytes``), ``attend(layer, query, key, value) -> (lse, partial_out)``, send the
+        reply. A layer that raises gets a failed status and ends the step: returns its error (``None``: every
+        layer served). Raises ``Unavailable`` when the channel breaks (its bytes may be out of step).
         """
-        self._check()
-        try:
-            tag = tc.layer_tag(step_id, layer, tc.TO_SERVER)
-            num_bytes = tc.nbytes(metas)
-            if num_bytes > MAX_LAYER_BYTES:
-                raise InvalidRequest(f"a layer of {num_bytes} bytes exceeds {MAX_LAYER_BYTES}")
-        except (InvalidRequest, ValueError) as e:
-            self.broken = f"a layer's bytes could not be sized: {e}"
-            raise InvalidRequest(str(e)) from None
-        return self.recv(num_bytes, tag)
+        metas, fields = sizes.metas(), ("query", "key", "value")
+        for layer in range(num_layers):
+            buffer = self.recv(sizes.layer_nbytes, tc.layer_tag(step_id, layer, tc.TO_SERVER))
+            tag = tc.layer_tag(step_id, layer, tc.TO_COMPUTE)
+            try:
+                lse, out = attend(layer, *tc.unpack(buffer, metas, fields))
+            except Exception as e:  # noqa: BLE001 (the peer waits for this layer's reply whatever went wrong)
+                self.send(tc.reply(tc.LAYER_FAILED, (), sizes.reply_nbytes, self.device), tag)
+                return e
+            self.send(tc.reply(tc.LAYER_OK, (lse, out), sizes.reply_nbytes, self.device), tag)
+        return None
 
     def recv(self, num_bytes: int, tag: int) -> torch.Tensor:
         """``num_bytes`` bytes from the compute instance (``uint8`` on the channel's device). Channel thread."""
@@ -78,6 +81,14 @@ class TensorChannel:
                 work.wait()
             except RuntimeError as e:
                 self._break(f"sending a partial failed: {e}")
+
+    def check_sizes(self, sizes: tc.StepSizes) -> None:
+        """Refuse a step whose layers could not be received (negative or huge): the peer may already have
+        sent bytes nobody can consume, so the channel breaks (raises ``InvalidRequest``)."""
+        counts = (sizes.num_tokens, sizes.num_heads, sizes.num_kv_rows)
+        if min(counts) < 0 or sizes.num_tokens < 1 or max(sizes.layer_nbytes, sizes.reply_nbytes) > MAX_LAYER_BYTES:
+            self.broken = f"a step's layers could not be sized: {counts}"
+            raise InvalidRequest(f"a channel step of (num_tokens, num_heads, num_kv_rows) {counts} cannot be sized")
 
     def _check(self) -> None:
         if self.broken:

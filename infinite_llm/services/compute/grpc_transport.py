@@ -28,13 +28,16 @@ from infinite_llm.rpc.codec import decode_tensor, encode_tensor
 OnRpc = Callable[[str, float], None]
 
 
-def step_open(step_id: int, seqs: list[SeqStep], num_heads: int, tensor_channel: str = "") -> apb.AttendStreamRequest:
+def step_open(
+    step_id: int, seqs: list[SeqStep], num_heads: int, tensor_channel: str = "", num_kv_rows: int = 0
+) -> apb.AttendStreamRequest:
     """The first message of a step's stream to one server."""
     return apb.AttendStreamRequest(
         open=apb.StepOpen(
             step_id=step_id,
             num_heads=num_heads,
             tensor_channel=tensor_channel,
+            num_kv_rows=num_kv_rows,
             seqs=[
                 apb.StepSeq(seq_id=s.seq_id, num_computed_tokens=s.num_computed_tokens, num_new=s.num_new) for s in seqs
             ],
@@ -106,12 +109,21 @@ class GrpcTransport:
         self._on_rpc = on_rpc
         self._steps: dict[int, dict[HolderId, StepStream]] = {}
 
-    def open_step(self, step_id: int, plans: Mapping[HolderId, list[SeqStep]], num_heads: int) -> None:
+    def open_step(
+        self,
+        step_id: int,
+        plans: Mapping[HolderId, list[SeqStep]],
+        num_heads: int,
+        num_kv_rows: Mapping[HolderId, int] | None = None,
+    ) -> None:
         streams: dict[HolderId, StepStream] = {}
         self._steps[step_id] = streams
         for server, seqs in plans.items():
             stream = StepStream()
-            stream.outbox.put(step_open(step_id, seqs, num_heads, self.tensor_channel(server)))
+            # A channel step's buffers are sized by num_kv_rows: without it, the tensors travel inline.
+            channel = self.tensor_channel(server) if num_kv_rows is not None else ""
+            rows = num_kv_rows[server] if num_kv_rows is not None else 0
+            stream.outbox.put(step_open(step_id, seqs, num_heads, channel, rows))
             stream.call = self.stubs.get(server).AttendStream(stream.requests(), timeout=self.timeout_s)
             streams[server] = stream
 

@@ -3,12 +3,13 @@ control on the gRPC ``AttendStream`` (plans, errors, deadlines, cancellation).
 
 For each attention server this compute instance opens one tensor channel (``rpc/tensor_channel.py``):
 it hosts the rendezvous store, asks the server to join with ``OpenTensorChannel`` and builds rank 0
-(gloo on CPU, NCCL between GPUs). A step names the channel in its ``StepOpen``; per layer the q|k|v bytes
-go on the channel first, then a ``LayerInput`` that only describes them, and the server's ``LayerPartial``
-(describing ``lse|partial_out``) tells us the partial is on the channel. A server whose channel cannot
-form (a ``--transport grpc`` server, no route, a timeout) gets its tensors over gRPC from then on, and
-the reason is logged once. After a failed step the step's channels are closed and reopened at the next
-step: bytes of a failed layer can never reach a later one (tags are unique per step, layer, direction).
+(gloo on CPU, NCCL between GPUs). A step names the channel and its K/V row count in its ``StepOpen``,
+which fixes every layer's byte sizes; per layer only the q|k|v bytes go on the channel and the reply comes
+back on it (an int64 status, then ``lse|partial_out``): no gRPC message per layer. A failed status means
+the server ended the step's stream with the error, read from there. A server whose channel cannot form (a
+``--transport grpc`` server, no route, a timeout) gets its tensors over gRPC from then on, and the reason
+is logged once. After a failed step the step's channels are closed and reopened at the next step: bytes
+of a failed layer can never reach a later one (tags are unique per step, layer, direction).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.rpc import codec
 from infinite_llm.rpc import tensor_channel as tc
-from infinite_llm.services.compute.grpc_transport import GrpcTransport, OnRpc, layer_message
+from infinite_llm.services.compute.grpc_transport import GrpcTransport, OnRpc, StepStream, layer_message
 
 log = logging.getLogger(__name__)
 OPEN_TIMEOUT_S = 10.0  # forming a pair's group (seconds); past it the server falls back to gRPC
@@ -52,26 +53,29 @@ class PairChannel:
 
 @dataclass
 class PostedLayer:
-    """One layer in flight on a channel: q|k|v sent, room for ``lse|partial_out`` posted."""
+    """One layer in flight on a channel: q|k|v sent, room for the reply posted."""
 
     server: HolderId
     sent: object  # the send's Work
     received: object  # the receive's Work
-    buffer: torch.Tensor  # uint8 [num_tokens*num_heads*(4 + head_dim*itemsize)]
-    like: torch.Tensor  # the query [num_tokens, num_heads, head_dim]: partial_out's shape and dtype
+    buffer: torch.Tensor  # uint8 [8 + num_tokens*num_heads*(4 + head_dim*itemsize)]: status, lse, partial_out
+    sizes: tc.StepSizes
 
-    def finish(self, reply: apb.LayerPartial) -> Partial:
-        """The partial, once the server's reply says it is on the channel. Raises ``Unavailable``."""
-        n, h, _ = self.like.shape
-        want = [codec.tensor_meta(torch.float32, (n, h)), codec.tensor_meta(self.like.dtype, self.like.shape)]
-        if [reply.lse, reply.partial_out] != want:
-            raise Unavailable(f"attention server {self.server} answered {reply} on its tensor channel, not {want}")
+    def finish(self, stream: StepStream) -> Partial:
+        """The partial once its reply arrived; a failed status raises the error that ended ``stream``.
+        Raises ``Unavailable`` when the channel fails."""
         try:
             self.received.wait()  # type: ignore[attr-defined]
+        except RuntimeError as e:
+            raise Unavailable(f"tensor channel to attention server {self.server} failed: {e}") from None
+        if tc.reply_status(self.buffer) != tc.LAYER_OK:
+            stream.reply()  # raises the step's error (the server ended the stream with it)
+            raise Unavailable(f"attention server {self.server} failed a layer but ended its stream without an error")
+        try:
             self.sent.wait()  # type: ignore[attr-defined]  (done: the server consumed it before answering)
         except RuntimeError as e:
             raise Unavailable(f"tensor channel to attention server {self.server} failed: {e}") from None
-        lse, out = tc.unpack(self.buffer, want, ("lse", "partial_out"))
+        lse, out = tc.unpack(self.buffer[tc.STATUS_BYTES :], self.sizes.reply_metas(), ("lse", "partial_out"))
         return out, lse
 
 
@@ -107,10 +111,16 @@ class TorchTransport(GrpcTransport):
         self._prefix = uuid.uuid4().hex[:12]
 
     # ---- steps -------------------------------------------------------------------------------------------
-    def open_step(self, step_id: int, plans: Mapping[HolderId, list[SeqStep]], num_heads: int) -> None:
+    def open_step(
+        self,
+        step_id: int,
+        plans: Mapping[HolderId, list[SeqStep]],
+        num_heads: int,
+        num_kv_rows: Mapping[HolderId, int] | None = None,
+    ) -> None:
         self._opening = {}
         try:
-            super().open_step(step_id, plans, num_heads)  # names each server's channel via tensor_channel()
+            super().open_step(step_id, plans, num_heads, num_kv_rows)  # names channels via tensor_channel()
         finally:
             self._step_channels[step_id], self._opening = self._opening, {}
 
@@ -122,7 +132,7 @@ class TorchTransport(GrpcTransport):
         return channel.channel_id
 
     def attend(self, step_id: int, layer: int, inputs: Mapping[HolderId, LayerInput]) -> dict[HolderId, Partial]:
-        """Every server's bytes and message first (they compute concurrently), then collect."""
+        """Every server's bytes first (they compute concurrently), then collect."""
         streams, channels = self._steps[step_id], self._step_channels.get(step_id, {})
         posted: dict[HolderId, PostedLayer] = {}
         for server, x in inputs.items():
@@ -130,28 +140,28 @@ class TorchTransport(GrpcTransport):
             channel = channels.get(server)
             if channel is None:
                 streams[server].outbox.put(layer_message(layer, x))
-                continue
-            posted[server] = self._post(channel, server, step_id, layer, x)
-            streams[server].outbox.put(described_layer(layer, x))
+            else:
+                posted[server] = self._post(channel, server, step_id, layer, x)
         out: dict[HolderId, Partial] = {}
         for server in inputs:
-            reply = streams[server].reply()
             if server in posted:
-                out[server] = posted[server].finish(reply)
+                out[server] = posted[server].finish(streams[server])
             else:
+                reply = streams[server].reply()
                 out[server] = (codec.decode_tensor(reply.partial_out), codec.decode_tensor(reply.lse, field="lse"))
             self._observe(server, streams[server].sent_at)
         return out
 
     def _post(self, channel: PairChannel, server: HolderId, step_id: int, layer: int, x: LayerInput) -> PostedLayer:
         n, h, d = x.query.shape  # query [num_tokens, num_heads, head_dim]
+        _, hkv, _ = x.key.shape  # key, value [num_kv_rows, num_kv_heads, head_dim]
+        sizes = tc.StepSizes(n, h, x.key.shape[0], hkv, d, x.query.dtype)
         sent = channel.group.send(
             [tc.pack([x.query, x.key, x.value], channel.device)], 1, tc.layer_tag(step_id, layer, tc.TO_SERVER)
         )
-        size = n * h * (4 + d * x.query.element_size())  # lse fp32 [n, h], then partial_out [n, h, d]
-        buffer = torch.empty(size, dtype=torch.uint8, device=channel.device)
+        buffer = torch.empty(sizes.reply_nbytes, dtype=torch.uint8, device=channel.device)
         received = channel.group.recv([buffer], 1, tc.layer_tag(step_id, layer, tc.TO_COMPUTE))
-        return PostedLayer(server, sent, received, buffer, x.query)
+        return PostedLayer(server, sent, received, buffer, sizes)
 
     def close_step(self, step_id: int, failed: bool) -> None:
         """As gRPC; a failed step also retires its channels (reopened at the next step). Never raises."""
@@ -232,11 +242,3 @@ class TorchTransport(GrpcTransport):
             channel.group = channel.store = None  # type: ignore[assignment]  (the last references)
 
         threading.Thread(target=close, name=f"close-{channel.channel_id[:24]}", daemon=True).start()
-
-
-def described_layer(layer: int, x: LayerInput) -> apb.AttendStreamRequest:
-    """One layer's message on a channel step: only the tensors' dtype and shape (the bytes are on the channel)."""
-    msg = layer_message(layer, None)
-    for target, t in ((msg.layer.query, x.query), (msg.layer.key, x.key), (msg.layer.value, x.value)):
-        target.CopyFrom(codec.tensor_meta(t.dtype, t.shape))
-    return msg

@@ -73,9 +73,9 @@ class CheckedTransport:
         self.mirror = LocalTransport({HolderId(s): p.mirror for s, p in pairs.items() if p.mirror is not None})
         self.partials: dict[int, dict[HolderId, Partial]] = {}  # layer -> server -> remote partial, last step
 
-    def open_step(self, step_id, plans, num_heads) -> None:  # noqa: ANN001
+    def open_step(self, step_id, plans, num_heads, num_kv_rows=None) -> None:  # noqa: ANN001
         self.partials = {}
-        self.remote.open_step(step_id, plans, num_heads)
+        self.remote.open_step(step_id, plans, num_heads, num_kv_rows)
         self.mirror.open_step(step_id, {h: s for h, s in plans.items() if h in self.mirror.holders}, num_heads)
 
     def attend(self, step_id: int, layer: int, inputs: dict[HolderId, LayerInput]) -> dict[HolderId, Partial]:

@@ -21,11 +21,13 @@ class RecordingTransport(LocalTransport):
     def __init__(self, holders) -> None:  # noqa: ANN001
         super().__init__(holders)
         self.opened: list[dict[HolderId, list[SeqStep]]] = []
+        self.kv_rows: list[dict[HolderId, int]] = []  # K/V rows per holder announced at each open
         self.inputs: list[dict[HolderId, tuple[int, int, int]]] = []  # rows of q, k, v per holder per layer
 
-    def open_step(self, step_id, plans, num_heads) -> None:  # noqa: ANN001
+    def open_step(self, step_id, plans, num_heads, num_kv_rows=None) -> None:  # noqa: ANN001
         self.opened.append({h: list(s) for h, s in plans.items()})
-        super().open_step(step_id, plans, num_heads)
+        self.kv_rows.append(dict(num_kv_rows))
+        super().open_step(step_id, plans, num_heads, num_kv_rows)
 
     def attend(self, step_id, layer, inputs):  # noqa: ANN001, ANN201
         self.inputs.append({h: (x.query.shape[0], x.key.shape[0], x.value.shape[0]) for h, x in inputs.items()})
@@ -54,6 +56,7 @@ def test_a_step_is_planned_once_per_server_with_counts_only():
         for layer in range(2):
             attention(layer, torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8))
     assert transport.opened == [{A: [step[0]], B: [step[0]], C: [step[1]]}]
+    assert transport.kv_rows == [{A: 2, B: 0, C: 3}]  # the rows each layer sends, announced at open
     assert transport.inputs == [{A: (2, 2, 2), B: (2, 0, 0), C: (3, 3, 3)}] * 2
     assert holders[A].plan_step([step[0]]).slot_mapping.tolist() == [1 * 4 + 0, 1 * 4 + 1]  # block 2 is id 1 on A
 
