@@ -188,6 +188,20 @@ class RManager:
             self.cancel(rid)
         return len(ids)
 
+    def free_blocks(self, seq_id: str, block_indices: Sequence[int]) -> int:
+        """Free the rBlocks of ``seq_id`` at logical ``block_indices`` (a migration's source copy after the
+        flip); returns how many. Raises ``InvalidRequest`` (nothing freed) for an index not held here."""
+        owned = self._owned.get(seq_id, {})
+        missing = sorted(set(block_indices) - set(owned))
+        if missing or len(set(block_indices)) != len(block_indices):
+            bad = missing[:8] or list(block_indices)[:8]
+            raise InvalidRequest(f"sequence {seq_id!r} cannot free logical rBlocks {bad} here (not held, or repeated)")
+        self.pool.free([owned.pop(i) for i in block_indices])
+        self._versions[seq_id] += 1  # plans made before no longer match the table
+        if not owned:
+            del self._owned[seq_id]
+        return len(block_indices)
+
     def owned_blocks(self, seq_id: str) -> list[int]:
         """Block ids of ``seq_id`` here, in commit order."""
         return list(self._owned.get(seq_id, {}).values())

@@ -1,7 +1,9 @@
 """Where a sequence's new rBlocks go, and reserving them on the chosen servers.
 
-Policy (PAPER.md "Managers", "Cluster scheduling"): the server near the sequence's compute instance first
-(its KV stays local), then creditors in order of most free rBlocks. The capacity view may be stale, so
+Policy (PAPER.md "Managers", "Cluster scheduling"): the owning compute instance's home servers first (its
+KV stays local; ``near`` counts as a home), most free first; when home is full, the servers the planner lets
+it borrow from (``lenders``, best first: :func:`~.planner.lenders`, never a server whose owner is itself
+borrowing), or every server by most free rBlocks when no lender list is given. The capacity view may be stale, so
 every share is reserved on its server before it counts (reserve-then-transfer, DESIGN.md §5); a server that
 refuses is marked stale and the rest goes elsewhere. If the whole request cannot be met, every reservation
 made is cancelled and :class:`CapacityExhausted` is raised: nothing is leaked.
@@ -46,22 +48,34 @@ class Held:
 
 
 def choose_servers(
-    n_blocks: int, free: dict[str, int], near: str | None, exclude: frozenset[str] = frozenset()
+    n_blocks: int,
+    free: dict[str, int],
+    near: str | None,
+    exclude: frozenset[str] = frozenset(),
+    homes: tuple[str, ...] = (),
+    lenders: tuple[str, ...] | None = None,
 ) -> list[tuple[str, int]]:
-    """Split ``n_blocks`` rBlocks over servers: ``near`` first, then most free (ties by server id).
+    """Split ``n_blocks`` rBlocks over servers: ``near`` first, then the other ``homes`` by most free, then
+    ``lenders`` in their order (``None``: every other server, most free first; ties by server id).
 
     Args:
         n_blocks: rBlocks to place.
         free: estimated free rBlocks per server id.
         near: the server local to the sequence's compute instance, or ``None``.
         exclude: servers not to use.
+        homes: the owning compute instance's home servers.
+        lenders: the only other servers allowed, best first (the planner's :func:`~.planner.lenders`).
 
     Returns:
         ``[(server_id, n)]`` with every ``n > 0``; the counts sum to less than ``n_blocks`` when the
         estimate does not hold enough.
     """
-    candidates = [(s, f) for s, f in free.items() if f > 0 and s not in exclude]
-    candidates.sort(key=lambda sf: (sf[0] != near, -sf[1], sf[0]))
+    home = set(homes) | ({near} if near else set())
+    rank = {s: i for i, s in enumerate(lenders or ())}
+    candidates = [
+        (s, f) for s, f in free.items() if f > 0 and s not in exclude and (s in home or lenders is None or s in rank)
+    ]
+    candidates.sort(key=lambda sf: (sf[0] != near, sf[0] not in home, rank.get(sf[0], 0), -sf[1], sf[0]))
     plan, remaining = [], n_blocks
     for server_id, available in candidates:
         if remaining == 0:
@@ -73,7 +87,13 @@ def choose_servers(
 
 
 async def reserve_placement(
-    servers: BlockServers, view: CapacityView, seq_id: str, n_blocks: int, near: str | None
+    servers: BlockServers,
+    view: CapacityView,
+    seq_id: str,
+    n_blocks: int,
+    near: str | None,
+    homes: tuple[str, ...] = (),
+    lenders: tuple[str, ...] | None = None,
 ) -> list[Held]:
     """Reserve ``n_blocks`` rBlocks for ``seq_id`` across servers, one share at a time.
 
@@ -85,7 +105,7 @@ async def reserve_placement(
     """
     held: list[Held] = []
     try:
-        refused = await _reserve_shares(servers, view, seq_id, n_blocks, near, held)
+        refused = await _reserve_shares(servers, view, seq_id, n_blocks, (near, homes, lenders), held)
     except BaseException:
         await cancel_held(servers, view, held)
         raise
@@ -100,14 +120,21 @@ async def reserve_placement(
 
 
 async def _reserve_shares(
-    servers: BlockServers, view: CapacityView, seq_id: str, n_blocks: int, near: str | None, held: list[Held]
+    servers: BlockServers,
+    view: CapacityView,
+    seq_id: str,
+    n_blocks: int,
+    where: tuple[str | None, tuple[str, ...], tuple[str, ...] | None],
+    held: list[Held],
 ) -> set[str]:
-    """Reserve shares into ``held`` until ``n_blocks`` are held or no server is left; returns refusers."""
+    """Reserve shares into ``held`` until ``n_blocks`` are held or no server is left; returns refusers.
+    ``where`` is ``(near, homes, lenders)`` of :func:`choose_servers`."""
+    near, homes, lenders = where
     refused: set[str] = set()
     remaining = n_blocks
     while remaining > 0:
         used = frozenset(refused | {h.server_id for h in held})
-        plan = choose_servers(remaining, view.free_blocks(), near, used)
+        plan = choose_servers(remaining, view.free_blocks(), near, used, homes, lenders)
         if not plan:
             break
         server_id, n = plan[0]

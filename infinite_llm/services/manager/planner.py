@@ -232,3 +232,22 @@ def apply_moves(view: ClusterView, moves: Sequence[Move]) -> ClusterView:
         servers=tuple(replace(s, free_blocks=free[s.server_id]) for s in view.servers),
         seqs=tuple(replace(s, entries=tuple((k, n) for k, n in seqs[s.seq_id].items() if n > 0)) for s in view.seqs),
     )
+
+
+def lenders(view: ClusterView, instance_id: str) -> tuple[str, ...]:
+    """Servers a new rBlock of ``instance_id`` may go to once its homes are full, best first.
+
+    Not its homes, not draining, and no server whose owner is itself borrowing (no chains, PAPER.md
+    "Managers"); servers no instance calls home first, then by most free rBlocks, ties by id. An instance
+    unknown to ``view`` may use every server that passes the same rules.
+    """
+    from infinite_llm.services.manager.planner_moves import State
+
+    state = State.of(view)
+    homes = set(state.homes.get(instance_id, ()))
+    allowed = [
+        s
+        for s in state.cap
+        if s not in homes and s not in state.draining and not any(state.borrowing(o) for o in state.owners[s])
+    ]
+    return tuple(sorted(allowed, key=lambda s: (bool(state.owners[s]), -state.free[s], s)))

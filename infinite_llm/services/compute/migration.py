@@ -1,0 +1,184 @@
+"""The compute instance's half of a live migration: move a running sequence's rBlocks between its steps.
+
+The manager orders a move (:mod:`infinite_llm.services.manager.migrations`: the destination is reserved,
+one reservation per rBlock, and the ledger updated); the heartbeat reply brings the order here. Between two
+decode steps, on the engine thread, :meth:`MigrationExecutor.between_steps` moves at most
+``tokens_per_step // block_size`` rBlocks (at least one; ``--migration-tokens-per-step``, default 16), each
+one as: ExportBlocks of that rBlock from the source, ImportBlocks into one reservation on the destination
+(it commits there at the same logical index), FreeSequence of that index on the source, then the flip of
+that entry of the block table (:meth:`DistAttention.replace_table`). No step runs in between, so no step
+sees the rBlock twice or not at all: the old copy serves every step until the flip. Only full rBlocks move
+(below ``num_computed_tokens // block_size``): their KV never changes again. Any failure stops the order and
+leaves the source authoritative for what did not move (a committed copy whose source could not be freed is
+freed on the destination instead); the manager settles the rest from the :class:`MigrationResult` (sent
+with the next heartbeat).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from infinite_llm.core.dist_attention import BlockId, BlockRef, DistAttention, HolderId
+from infinite_llm.pb.v1 import attention_server_pb2 as apb
+from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
+from infinite_llm.rpc.channels import sync_channel
+
+log = logging.getLogger(__name__)
+MAX_WAIT_STEPS = 256  # steps an order may wait for its rBlocks to fill before it gives up
+
+
+@dataclass
+class Order:
+    """A :class:`~infinite_llm.pb.v1.manager_pb2.MigrationOrder` being executed, and how far it got."""
+
+    migration_id: int
+    seq_id: str
+    src: str
+    src_address: str
+    dst: str
+    dst_address: str
+    reservation_ids: list[int]
+    moved: int = 0
+    bytes_moved: int = 0
+    waited: int = 0
+    error: str = ""
+    done: bool = field(default=False)
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    migration_id: int
+    seq_id: str
+    src: str
+    dst: str
+    num_blocks: int
+    num_moved: int
+    bytes_moved: int
+    error: str
+
+
+class MigrationExecutor:
+    """Executes migration orders between the steps of one compute instance. ``offer``/``take_results`` are
+    thread-safe; ``between_steps`` runs on the engine thread only.
+
+    Args:
+        dist: the instance's DistAttention (owner of the block tables).
+        computed: ``seq_id -> num_computed_tokens`` of a running sequence, ``None`` when it is not running.
+        tokens_per_step: the migration budget per step (tokens); ``block_size`` divides it into rBlocks.
+    """
+
+    def __init__(
+        self,
+        dist: DistAttention,
+        computed: Callable[[str], int | None],
+        tokens_per_step: int = 16,
+        timeout_s: float = 30.0,
+    ) -> None:
+        if tokens_per_step < 1:
+            raise ValueError(f"migration tokens per step must be >= 1, got {tokens_per_step}")
+        self.dist, self._computed = dist, computed
+        self.blocks_per_step = max(1, tokens_per_step // dist.block_size)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._queue: list[Order] = []
+        self._results: list[MigrationResult] = []
+        self.migrations_total = 0
+
+    def offer(self, order: Order) -> None:
+        with self._lock:
+            self._queue.append(order)
+
+    def take_results(self) -> list[MigrationResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._queue)
+
+    def between_steps(self) -> None:
+        """Move up to ``blocks_per_step`` rBlocks of the first order; end it when done or failed."""
+        with self._lock:
+            order = self._queue[0] if self._queue else None
+        if order is None:
+            return
+        try:
+            self._advance(order)
+        except grpc.RpcError as e:
+            order.error = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # noqa: BLE001 - a failed migration must never fail the step loop
+            log.exception("migration %d failed", order.migration_id)
+            order.error = repr(e)
+        if order.error or order.moved == len(order.reservation_ids):
+            self._finish(order)
+
+    def _advance(self, order: Order) -> None:
+        computed = self._computed(order.seq_id)
+        if computed is None:
+            order.error = "the sequence is no longer running"
+            return
+        table = self.dist.block_table(order.seq_id)
+        full = computed // self.dist.block_size
+        movable = [i for i, ref in enumerate(table[:full]) if ref.holder == order.src]
+        if not movable:
+            order.waited += 1
+            if order.waited > MAX_WAIT_STEPS:
+                order.error = f"no full rBlock of the sequence on {order.src} after {MAX_WAIT_STEPS} steps"
+            return
+        for index in movable[: self.blocks_per_step]:
+            if order.moved == len(order.reservation_ids):
+                return
+            self._move_one(order, index, table[index])
+
+    def _move_one(self, order: Order, index: int, ref: BlockRef) -> None:
+        src = agrpc.AttentionServerStub(sync_channel(order.src_address))
+        dst = agrpc.AttentionServerStub(sync_channel(order.dst_address))
+        request = apb.ExportBlocksRequest(seq_id=order.seq_id, block_ids=[int(ref.block_id)])
+        chunks = list(src.ExportBlocks(request, timeout=self.timeout_s))
+        chunks[0].header.reservation_id = order.reservation_ids[order.moved]
+        reply = dst.ImportBlocks(iter(chunks), timeout=self.timeout_s)
+        try:
+            src.FreeSequence(
+                apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=[index]), timeout=self.timeout_s
+            )
+        except grpc.RpcError:
+            # The source still serves this index: drop the new copy so no step reads it twice.
+            dst.FreeSequence(
+                apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=[index]), timeout=self.timeout_s
+            )
+            raise
+        learn = getattr(self.dist.placement, "learn_address", None)
+        if learn is not None:
+            learn(HolderId(order.dst), order.dst_address)
+        table = self.dist.block_table(order.seq_id)
+        table[index] = BlockRef(HolderId(order.dst), BlockId(int(reply.block_ids[0])))
+        self.dist.replace_table(order.seq_id, table)
+        order.moved += 1
+        order.bytes_moved += sum(len(c.data) for c in chunks[1:])
+
+    def _finish(self, order: Order) -> None:
+        result = MigrationResult(
+            order.migration_id,
+            order.seq_id,
+            order.src,
+            order.dst,
+            len(order.reservation_ids),
+            order.moved,
+            order.bytes_moved,
+            order.error,
+        )
+        with self._lock:
+            self._queue.remove(order)
+            self._results.append(result)
+            if order.moved:
+                self.migrations_total += 1
+        if order.error:
+            log.warning("migration %d of %s stopped after %d rBlocks: %s", order.migration_id, order.seq_id,
+                        order.moved, order.error)  # fmt: skip

@@ -1,0 +1,199 @@
+"""The manager's half of a live migration: reserve on the destination, fenced ledger update, order, settle.
+
+A :class:`~.planner.Move` starts here (DESIGN.md §5, PAPER.md "Managers": the view may be stale, so the
+destination is reserved first and the move is dropped if it refuses): one reservation of one rBlock per
+moved rBlock on the destination, then one compare-and-swap of the sequence's ledger moving the count from
+source to destination (the source entry stays, at 0 if emptied, until the move settles, so a release in
+between still frees the source). The compute instance that runs the sequence receives a
+:class:`MigrationOrder` with its next heartbeat and moves the rBlocks between its decode steps
+(:mod:`infinite_llm.services.compute.migration`); its :class:`MigrationResult` comes back with a later
+heartbeat and :meth:`Migrations.settle` puts back in the ledger what did not move and cancels the unused
+reservations. Results are self-describing, so a manager that took over leadership settles them too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from infinite_llm.core.errors import CapacityExhausted, NotFound, Unavailable
+from infinite_llm.services.manager.capacity import CapacityView
+from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
+from infinite_llm.services.manager.placement import BlockServers
+from infinite_llm.services.manager.planner import Move
+from infinite_llm.services.manager.records import LedgerEntries
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MigrationOrder:
+    """What the compute instance running ``seq_id`` is told: move one rBlock into each reservation."""
+
+    migration_id: int
+    seq_id: str
+    src: str
+    src_address: str
+    dst: str
+    dst_address: str
+    reservation_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """How an order ended: the first ``num_moved`` of its ``num_blocks`` reservations were committed and
+    their source copies freed; ``error`` is '' when all moved."""
+
+    migration_id: int
+    seq_id: str
+    src: str
+    dst: str
+    num_blocks: int
+    num_moved: int
+    bytes_moved: int = 0
+    error: str = ""
+
+
+def shifted(entries: LedgerEntries, src: str, dst: str, n: int) -> LedgerEntries:
+    """``entries`` with ``n`` rBlocks counted on ``dst`` instead of ``src`` (``n < 0``: back); a server
+    left at 0 stays listed (its copy may still exist), new servers go last."""
+    out = dict(entries)
+    out[src] = out.get(src, 0) - n
+    out[dst] = out.get(dst, 0) + n
+    if out[src] < 0 or out[dst] < 0:
+        raise ValueError(f"cannot shift {n} rBlocks {src} -> {dst} in {entries}")
+    return list(out.items())
+
+
+class Migrations:
+    """Starts and settles migrations; keeps the orders not yet handed to their instance.
+
+    Args:
+        servers, ledger, view: the manager's hands on the attention servers, its ledger and capacity view.
+        address_of: ``host:port`` of a live attention server, or ``None``.
+    """
+
+    def __init__(
+        self,
+        servers: BlockServers,
+        ledger: Ledger,
+        view: CapacityView,
+        address_of: Callable[[str], str | None],
+        max_txn_attempts: int = 16,
+    ) -> None:
+        self._servers, self._ledger, self._view, self._address_of = servers, ledger, view, address_of
+        self._attempts = max_txn_attempts
+        self._ids = itertools.count(1)
+        self._orders: dict[str, list[MigrationOrder]] = {}  # owner -> orders not yet handed out
+        self.in_flight: dict[int, MigrationOrder] = {}
+        self.migrations_total = 0  # settled migrations that moved at least one rBlock
+        self.blocks_moved = 0
+        self.bytes_moved = 0
+
+    def busy(self, seq_id: str) -> bool:
+        """Whether a migration of ``seq_id`` is in flight (one at a time per sequence)."""
+        return any(o.seq_id == seq_id for o in self.in_flight.values())
+
+    async def start(self, move: Move, owner: str) -> MigrationOrder | None:
+        """Reserve ``move.n_blocks`` on ``move.dst`` and shift them in the ledger; queue the order for ``owner``.
+
+        Returns ``None`` (nothing changed) when the ledger no longer holds that many rBlocks of the sequence
+        on the source, an address is unknown, or the destination refuses the reservation (then it is marked
+        stale in the view).
+
+        Raises:
+            NotLeader: the fence failed (reservations cancelled). Unavailable: etcd failed (same).
+        """
+        src_address, dst_address = self._address_of(move.src), self._address_of(move.dst)
+        record = await self._ledger.read(move.seq_id)
+        if src_address is None or dst_address is None or dict(record.entries).get(move.src, 0) < move.n_blocks:
+            return None
+        held = await self._reserve(move)
+        if held is None:
+            return None
+        try:
+            done = await self._swap(record, move.src, move.dst, move.n_blocks)
+        except BaseException:
+            await self._cancel(move.dst, held)
+            raise
+        if not done:
+            await self._cancel(move.dst, held)
+            return None
+        order = MigrationOrder(next(self._ids), move.seq_id, move.src, src_address, move.dst, dst_address, held)
+        self.in_flight[order.migration_id] = order
+        self._orders.setdefault(owner, []).append(order)
+        log.info("migration %d: %d rBlocks of %s %s -> %s (%s)", order.migration_id, move.n_blocks, move.seq_id,
+                 move.src, move.dst, move.reason)  # fmt: skip
+        return order
+
+    def take_orders(self, owner: str) -> list[MigrationOrder]:
+        """The orders for ``owner`` not yet handed out (each is handed out once)."""
+        return self._orders.pop(owner, [])
+
+    async def settle(self, result: MigrationResult) -> None:
+        """Count what moved; put back in the ledger what did not, cancel its reservations, drop emptied
+        source entries. A sequence released meanwhile needs nothing (release freed both servers)."""
+        order = self.in_flight.pop(result.migration_id, None)
+        for orders in self._orders.values():
+            if order in orders:
+                orders.remove(order)
+        back = result.num_blocks - result.num_moved
+        if order is not None and back > 0:
+            await self._cancel(result.dst, order.reservation_ids[result.num_moved :])
+        elif order is not None:  # committed on the destination: settles a DrainGuard's count
+            await self._cancel(result.dst, order.reservation_ids, quiet=True)
+        await self._swap(await self._ledger.read(result.seq_id), result.src, result.dst, -back, drop_empty=True)
+        self._view.give_back(result.src, result.num_moved)
+        if result.num_moved > 0:
+            self.migrations_total += 1
+            self.blocks_moved += result.num_moved
+            self.bytes_moved += result.bytes_moved
+        if result.error:
+            log.warning("migration %d of %s ended after %d of %d rBlocks: %s", result.migration_id, result.seq_id,
+                        result.num_moved, result.num_blocks, result.error)  # fmt: skip
+
+    async def _reserve(self, move: Move) -> tuple[int, ...] | None:
+        held: list[int] = []
+        self._view.take(move.dst, move.n_blocks)
+        try:
+            for _ in range(move.n_blocks):
+                held.append((await self._servers.reserve(move.dst, move.seq_id, 1)).reservation_id)
+        except (CapacityExhausted, Unavailable) as e:
+            log.info("migration of %s to %s refused: %s", move.seq_id, move.dst, e)
+            await self._cancel(move.dst, tuple(held))
+            self._view.mark_stale(move.dst)
+            return None
+        except BaseException:
+            await self._cancel(move.dst, tuple(held))
+            raise
+        return tuple(held)
+
+    async def _cancel(self, server_id: str, reservation_ids: tuple[int, ...], quiet: bool = False) -> None:
+        for rid in reservation_ids:
+            try:
+                await self._servers.cancel(server_id, rid)
+            except (Unavailable, NotFound) as e:  # committed, expired, or the server died
+                if not quiet:
+                    log.info("cancel reservation %d on %s: %s", rid, server_id, e)
+        if not quiet:
+            self._view.give_back(server_id, len(reservation_ids))
+
+    async def _swap(self, record: LedgerRecord, src: str, dst: str, n: int, drop_empty: bool = False) -> bool:
+        """Shift ``n`` rBlocks ``src -> dst`` in the sequence's ledger (CAS, retried on conflict); False when
+        the sequence is gone or no longer holds them."""
+        for _ in range(self._attempts):
+            if record.mod_revision == 0:
+                return False
+            try:
+                entries = shifted(record.entries, src, dst, n)
+            except ValueError:
+                return False
+            if drop_empty:
+                entries = [(s, k) for s, k in entries if k > 0 or s not in (src, dst)]
+            conflict = await self._ledger.swap(record, entries)
+            if conflict is None:
+                return True
+            record = conflict
+        raise self._ledger.too_contended(record.seq_id)

@@ -1,0 +1,132 @@
+"""Placement home-first and lending by plan, and the manager's half of a migration, with real etcd and real
+rManagers: new rBlocks go to the owner's homes, then to servers nobody calls home, never to a server whose
+owner is itself borrowing; a move reserves the destination, shifts the ledger, and settles what moved."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad
+from infinite_llm.services.manager.migrations import MigrationResult
+from infinite_llm.services.manager.planner import Move, plan
+
+from .helpers import make_servers, pool_state, running_manager
+
+
+async def _two_instances(m) -> None:
+    await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
+    await m.register_compute(ComputeInfo("c1", "127.0.0.1:50071", ("b",)))
+
+
+def _shares(grants) -> list[tuple[str, int]]:
+    return [(g.server_id, g.n_blocks) for g in grants]
+
+
+def test_new_rblocks_go_home_first_then_to_servers_nobody_calls_home(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 4, "b": 8, "c": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _two_instances(m)
+            assert _shares(await m.place("s1", 3, owner="c0")) == [("a", 3)]
+            # Home holds 1 more; the rest goes to c (nobody's home) before b (c1's home), though b is as free.
+            assert _shares(await m.place("s1", 3, owner="c0", first_index=3)) == [("a", 1), ("c", 2)]
+            assert _shares(await m.place("s2", 5, owner="c1")) == [("b", 5)]
+            state = await m.cluster_state()
+            assert state.ledger == {"s1": [("a", 4), ("c", 2)], "s2": [("b", 5)]}
+            assert [(c.info.instance_id, c.debt_blocks) for c in state.computes] == [("c0", 2), ("c1", 0)]
+
+    asyncio.run(scenario())
+
+
+def test_no_chains_a_borrowers_home_lends_nothing_until_it_stops_borrowing(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 4, "b": 8, "c": 2})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _two_instances(m)
+            assert _shares(await m.place("s2", 1, near="c", owner="c1")) == [("c", 1)]  # c1 now borrows
+            assert _shares(await m.place("s1", 5, owner="c0")) == [("a", 4), ("c", 1)]
+            before = pool_state(servers)
+            with pytest.raises(CapacityExhausted):  # b has 8 free, but its owner c1 borrows
+                await m.place("s1", 2, owner="c0", first_index=5)
+            assert pool_state(servers) == before  # nothing reserved, nothing leaked
+            await m.release("s2")  # c1 borrows no more: c (nobody's home, 1 free) first, then its home b
+            assert _shares(await m.place("s1", 2, owner="c0", first_index=5)) == [("c", 1), ("b", 1)]
+            # An anonymous placement (no owner) is not bound by homes: near first, then most free.
+            assert _shares(await m.place("x", 2, near="a")) == [("b", 2)]
+
+    asyncio.run(scenario())
+
+
+def test_move_reserves_the_destination_shifts_the_ledger_and_settles_what_moved(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
+            await m.place("s1", 5, owner="c0")
+            order = await m.migrations.start(Move("s1", "a", "c", 3, "lend"), "c0")
+            assert (order.src, order.dst, order.src_address, order.dst_address) == (
+                "a",
+                "c",
+                "a.local:50051",
+                "c.local:50051",
+            )
+            assert len(order.reservation_ids) == 3 and servers.rmanagers["c"].pool.num_reserved == 3
+            assert (await m.cluster_state()).ledger == {"s1": [("a", 2), ("c", 3)]}
+            assert m.migrations.take_orders("c0") == [order] and m.migrations.take_orders("c0") == []
+            assert m.migrations.busy("s1")
+            # The compute instance moved logical rBlock 0, then failed: commit on c, free on a (as it does).
+            rm_a, rm_c = servers.rmanagers["a"], servers.rmanagers["c"]
+            rm_c.commit(order.reservation_ids[0], [0])
+            rm_a.free_blocks("s1", [0])
+            await m.migrations.settle(MigrationResult(order.migration_id, "s1", "a", "c", 3, 1, 100, "UNAVAILABLE"))
+            assert (await m.cluster_state()).ledger == {"s1": [("a", 4), ("c", 1)]}
+            assert (rm_a.pool.num_used, rm_c.pool.num_used, rm_c.pool.num_reserved) == (4, 1, 0)
+            assert (m.migrations.migrations_total, m.migrations.blocks_moved, m.migrations.bytes_moved) == (1, 1, 100)
+            assert not m.migrations.busy("s1")
+            await m.release("s1")
+            assert (rm_a.pool.num_free, rm_c.pool.num_free) == (8, 8)
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_reservation_starts_no_move_and_changes_nothing(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 2})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
+            await m.place("s1", 5, owner="c0")
+            before = pool_state(servers)
+            assert await m.migrations.start(Move("s1", "a", "c", 3, "lend"), "c0") is None  # c has only 2
+            assert await m.migrations.start(Move("s1", "a", "c", 6, "lend"), "c0") is None  # a holds only 5
+            assert pool_state(servers) == before
+            assert (await m.cluster_state()).ledger == {"s1": [("a", 5)]}
+            assert m.migrations.take_orders("c0") == []
+
+    asyncio.run(scenario())
+
+
+def test_planner_tick_orders_the_debtors_best_move(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 10, "b": 10})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _two_instances(m)
+            await m.place("a1", 6, owner="c0")
+            await m.place("a2", 4, owner="c0", first_index=0)
+            await m.place("b1", 1, owner="c1")
+            await m.heartbeat_compute("c0", ComputeLoad(2, 2, 2 * 5 * 4))  # home full, 2 waiting
+            await m.heartbeat_compute("c1", ComputeLoad(1, 0, 4))
+            view = await m.rebalancer.cluster_view()
+            assert [(s.server_id, s.free_blocks) for s in view.servers] == [("a", 0), ("b", 9)]
+            expected = plan(view, m.rebalancer.config)
+            assert [(mv.seq_id, mv.src, mv.dst, mv.reason) for mv in expected] == [("a1", "a", "b", "lend")]
+            assert await m.rebalancer.tick() == 1
+            (order,) = m.migrations.take_orders("c0")
+            assert (order.seq_id, order.src, order.dst, len(order.reservation_ids)) == (
+                "a1", "a", "b", expected[0].n_blocks,
+            )  # fmt: skip
+            assert await m.rebalancer.tick() == 0  # the move in flight counts as done: c0 is no debtor now
+
+    asyncio.run(scenario())
