@@ -253,6 +253,10 @@ def serve_compute(
     advertise_host: Annotated[
         str, typer.Option(help="Host the router reaches this instance at (default --host; Kubernetes: the pod IP).")
     ] = "",
+    migration_tokens_per_step: Annotated[
+        int,
+        typer.Option(help="KV tokens a live migration moves between two decode steps (0: run no migrations)."),
+    ] = 16,
 ) -> None:
     """Compute instance: dense layers + scheduler; attention on the attention servers. Registers with the
     manager (routers discover it there) with its homes: --home servers and those registered with --node-name."""
@@ -278,6 +282,7 @@ def serve_compute(
             home_server_ids=homes,
             node_name=node,
             advertise_host=advertise_host,
+            migration_tokens_per_step=migration_tokens_per_step,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -50,10 +50,12 @@ class CancelReservationResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FreeSequenceRequest(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "block_indices")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
-    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeSequenceResponse(_message.Message):
     __slots__ = ("num_freed",)

@@ -111,7 +111,8 @@ class AttentionServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FreeSequence(self, request, context):
-        """Free every rBlock and pending reservation of a sequence (0 freed for an unknown one).
+        """Free every rBlock and pending reservation of a sequence (0 freed for an unknown one), or with
+        block_indices only those logical rBlocks (the source's copy at the end of a migration).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -159,20 +159,66 @@ class RegisterComputeResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class HeartbeatComputeRequest(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held", "num_steps", "mean_step_s", "migration_results")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
     num_tokens_held: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ...) -> None: ...
+    num_steps: int
+    mean_step_s: float
+    migration_results: _containers.RepeatedCompositeFieldContainer[MigrationResult]
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
+
+class MigrationOrder(_message.Message):
+    __slots__ = ("migration_id", "seq_id", "src_server_id", "src_address", "dst_server_id", "dst_address", "reservation_ids")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DST_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    migration_id: int
+    seq_id: str
+    src_server_id: str
+    src_address: str
+    dst_server_id: str
+    dst_address: str
+    reservation_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, migration_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., src_server_id: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_server_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., reservation_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MigrationResult(_message.Message):
+    __slots__ = ("migration_id", "seq_id", "src_server_id", "dst_server_id", "num_blocks", "num_moved", "bytes_moved", "error")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    migration_id: int
+    seq_id: str
+    src_server_id: str
+    dst_server_id: str
+    num_blocks: int
+    num_moved: int
+    bytes_moved: int
+    error: str
+    def __init__(self, migration_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., src_server_id: _Optional[str] = ..., dst_server_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatComputeResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("migrations",)
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    migrations: _containers.RepeatedCompositeFieldContainer[MigrationOrder]
+    def __init__(self, migrations: _Optional[_Iterable[_Union[MigrationOrder, _Mapping]]] = ...) -> None: ...
 
 class DeregisterComputeRequest(_message.Message):
     __slots__ = ("instance_id",)

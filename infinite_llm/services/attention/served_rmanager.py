@@ -97,8 +97,11 @@ class ServedRManager:
         del self._reservations[reservation_id]
         self._reserved_at.pop(reservation_id, None)
 
-    def free_sequence(self, seq_id: str) -> int:
-        """Free the sequence's rBlocks and open reservations; returns the rBlocks freed (0 if unknown)."""
+    def free_sequence(self, seq_id: str, block_indices: list[int] | None = None) -> int:
+        """Free the sequence's rBlocks and open reservations; returns the rBlocks freed (0 if unknown).
+        With ``block_indices`` only those logical rBlocks go (``InvalidRequest`` if one is not held here)."""
+        if block_indices:
+            return self.rm.free_blocks(seq_id, block_indices)
         freed = self.rm.free_sequence(seq_id)
         self._reservations = {r: v for r, v in self._reservations.items() if v[0] != seq_id}
         self._reserved_at = {r: t for r, t in self._reserved_at.items() if r in self._reservations}

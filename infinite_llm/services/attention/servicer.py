@@ -75,7 +75,8 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         return pb.CancelReservationResponse()
 
     async def FreeSequence(self, request: pb.FreeSequenceRequest, context) -> pb.FreeSequenceResponse:
-        return pb.FreeSequenceResponse(num_freed=await self._run(self.holder.free_sequence, request.seq_id))
+        indices = list(request.block_indices)
+        return pb.FreeSequenceResponse(num_freed=await self._run(self.holder.free_sequence, request.seq_id, indices))
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
         s = await self._run(self.holder.stats)

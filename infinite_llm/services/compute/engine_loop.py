@@ -63,6 +63,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.generated_tokens = 0
         self._failures = 0
+        self.between_steps: Callable[[], None] | None = None  # e.g. a migration's next rBlocks (engine thread)
+        self.steps, self.step_seconds = 0, 0.0  # decode steps run and their wall time (seconds), for heartbeats
 
     def start(self) -> None:
         self._thread.start()
@@ -145,9 +147,13 @@ class EngineLoop:
             sink(out)
 
     def _step(self) -> None:
+        if self.between_steps is not None:
+            self.between_steps()  # never raises: it records its own failures
         try:
+            started = time.perf_counter()
             with self._step_span():
                 outputs = self.engine.step()
+            self.steps, self.step_seconds = self.steps + 1, self.step_seconds + time.perf_counter() - started
         except Unavailable as e:
             self._recover(e)
             return

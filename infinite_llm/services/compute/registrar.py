@@ -18,6 +18,7 @@ import grpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import aio_channel
+from infinite_llm.services.compute.migration import MigrationExecutor, MigrationResult, Order
 from infinite_llm.services.lease_keeper import LeaseKeeper
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class ComputeLoadReport:
     num_running: int
     num_waiting: int
     num_tokens_held: int
+    num_steps: int = 0  # decode steps since the last report
+    mean_step_s: float = 0.0  # their mean wall time (seconds)
 
 
 class ComputeRegistrar:
@@ -52,6 +55,8 @@ class ComputeRegistrar:
         self._load = load
         self._keeper = LeaseKeeper(instance_id, self._register, self._heartbeat)
         self.registered = self._keeper.registered
+        self.migrations: MigrationExecutor | None = None  # receives the manager's migration orders
+        self._refused: list[MigrationResult] = []  # orders refused for want of an executor, to report
 
     def start(self) -> None:
         self._keeper.start()
@@ -91,12 +96,43 @@ class ComputeRegistrar:
 
     async def _heartbeat(self) -> None:
         load = self._load()
-        await self._stub.HeartbeatCompute(
+        results, self._refused = self._refused, []
+        results += self.migrations.take_results() if self.migrations is not None else []
+        reply = await self._stub.HeartbeatCompute(
             mpb.HeartbeatComputeRequest(
                 instance_id=self.instance_id,
                 num_running=load.num_running,
                 num_waiting=load.num_waiting,
                 num_tokens_held=load.num_tokens_held,
+                num_steps=load.num_steps,
+                mean_step_s=load.mean_step_s,
+                migration_results=[result_to_proto(r) for r in results],
             ),
             timeout=CALL_TIMEOUT_S,
         )
+        for o in reply.migrations:
+            self._order(o)
+
+    def _order(self, o: mpb.MigrationOrder) -> None:
+        """Hand an order to the executor; without one, report it failed so the manager settles it."""
+        order = Order(o.migration_id, o.seq_id, o.src_server_id, o.src_address, o.dst_server_id, o.dst_address,
+                      list(o.reservation_ids))  # fmt: skip
+        if self.migrations is None:
+            log.warning("migration order %d refused: this instance runs no migrations", o.migration_id)
+            n = len(order.reservation_ids)
+            self._refused.append(MigrationResult(o.migration_id, o.seq_id, order.src, order.dst, n, 0, 0, "refused"))
+            return
+        self.migrations.offer(order)
+
+
+def result_to_proto(r: MigrationResult) -> mpb.MigrationResult:
+    return mpb.MigrationResult(
+        migration_id=r.migration_id,
+        seq_id=r.seq_id,
+        src_server_id=r.src,
+        dst_server_id=r.dst,
+        num_blocks=r.num_blocks,
+        num_moved=r.num_moved,
+        bytes_moved=r.bytes_moved,
+        error=r.error,
+    )

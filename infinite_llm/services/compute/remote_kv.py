@@ -52,6 +52,11 @@ class ManagerPlacement:
             raise InvalidRequest(f"no address known for attention server {server!r}")
         return address
 
+    def learn_address(self, server: HolderId, address: str) -> None:
+        """Remember ``host:port`` of a server a migration moved rBlocks to. Thread-safe."""
+        with self._lock:
+            self._addresses[server] = address
+
     def check_cluster(self) -> None:
         """Fail fast at startup: raises ``FailedPrecondition`` when a live attention server's block size
         differs from this instance's (the manager refuses such placements anyway)."""

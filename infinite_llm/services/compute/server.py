@@ -27,6 +27,7 @@ from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import compute_instance_pb2, compute_instance_pb2_grpc
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.compute.engine_loop import EngineLoop
+from infinite_llm.services.compute.migration import MigrationExecutor
 from infinite_llm.services.compute.registrar import ComputeLoadReport, ComputeRegistrar
 from infinite_llm.services.compute.remote_kv import TRANSPORTS, remote_dist_attention
 from infinite_llm.services.compute.servicer import ComputeInstanceServicer
@@ -55,6 +56,7 @@ class ComputeConfig:
     home_server_ids: tuple[str, ...] = ()  # attention servers on this instance's node, by server id
     node_name: str = ""  # this instance's node: attention servers registered with it are homes too
     advertise_host: str = ""  # host the router reaches this instance at (default: host)
+    migration_tokens_per_step: int = 16  # KV tokens a live migration moves between two steps (0 = refuse orders)
 
     def __post_init__(self) -> None:
         if not self.manager_address:
@@ -127,6 +129,8 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     log.info("compute instance %s serving %s on %s:%d", config.instance_id, model_name, config.host, server.port)
     print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)
     registrar = registrar_for(config, server.port, loop)
+    if config.migration_tokens_per_step > 0:
+        registrar.migrations = migration_executor(loop, kv, config)
     registrar.start()
     if ready is not None:
         ready.set()
@@ -139,11 +143,26 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     loop.stop()
 
 
+def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfig) -> MigrationExecutor:
+    """Live migrations of this instance's sequences, run by ``loop`` between its steps."""
+
+    def computed(seq_id: str) -> int | None:
+        return next((s.num_computed_tokens for s in loop.engine.scheduler.running[:] if s.seq_id == seq_id), None)
+
+    executor = MigrationExecutor(kv, computed, config.migration_tokens_per_step, config.rpc_timeout_s)
+    loop.between_steps = executor.between_steps
+    return executor
+
+
 def registrar_for(config: ComputeConfig, port: int, loop: EngineLoop) -> ComputeRegistrar:
     """The instance's membership: its advertised ``host:port``, homes, and its loop's load on heartbeats."""
+    seen = [0, 0.0]  # steps and step seconds already reported
 
     def load() -> ComputeLoadReport:
-        return ComputeLoadReport(loop.num_running, loop.num_waiting, loop.num_tokens_held)
+        steps, seconds = loop.steps - seen[0], loop.step_seconds - seen[1]
+        seen[:] = [loop.steps, loop.step_seconds]
+        mean = seconds / steps if steps else 0.0
+        return ComputeLoadReport(loop.num_running, loop.num_waiting, loop.num_tokens_held, steps, mean)
 
     return ComputeRegistrar(
         config.manager_address,

@@ -21,7 +21,9 @@ from infinite_llm.services.manager.computes import ComputeInfo, ComputeInstances
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
 from infinite_llm.services.manager.membership import Membership, Registration
+from infinite_llm.services.manager.migrations import Migrations
 from infinite_llm.services.manager.placement import BlockServers, Held, cancel_held, reserve_placement
+from infinite_llm.services.manager.rebalance import Rebalancer
 from infinite_llm.services.manager.records import (
     ClusterState,
     Grant,
@@ -75,6 +77,8 @@ class GlobalManager:
         self._placed: dict[str, int] = {}  # rBlocks the ledger places per server
         self.membership = Membership(store, self.leadership, self.view, lambda s: self._placed.get(s, 0))
         self.computes = ComputeInstances(store, self.leadership)
+        self.migrations = Migrations(servers, self.ledger, self.view, self.address_of, config.max_txn_attempts)
+        self.rebalancer = Rebalancer(self)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:
@@ -151,6 +155,14 @@ class GlobalManager:
         """Remove a member now (revokes its lease). Raises NotFound if it is not a live member."""
         await self.membership.deregister(server_id)
 
+    @property
+    def block_servers(self) -> BlockServers:
+        return self._servers
+
+    def address_of(self, server_id: str) -> str | None:
+        """``host:port`` of a live member, or ``None``."""
+        return next((m.info.address for m in self.members() if m.info.server_id == server_id), None)
+
     def members(self) -> list[Member]:
         """Live members by server id (the watch keeps this current)."""
         return self.membership.members()
@@ -198,7 +210,8 @@ class GlobalManager:
     async def place(
         self, seq_id: str, n_blocks: int, near: str | None = None, first_index: int = 0, owner: str = ""
     ) -> list[Grant]:
-        """Place ``n_blocks`` more rBlocks of ``seq_id``: near server first, then most free.
+        """Place ``n_blocks`` more rBlocks of ``seq_id``: near server and the owner's homes first, then the
+        servers the planner lets the owner borrow from (:meth:`.Rebalancer.placement_targets`).
 
         Reserves on the servers, records the ledger in one fenced compare-and-swap (re-read and retried on
         conflict), then commits the reservations.
@@ -227,7 +240,8 @@ class GlobalManager:
             check_id("instance_id", owner)
         self.leadership.fence()  # fail before reserving anything
         record = await self.ledger.read(seq_id)
-        held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near)
+        homes, lenders = await self.rebalancer.placement_targets(owner, n_blocks) if owner else ((), None)
+        held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near, homes, lenders)
         try:
             await self._record(record, [(h.server_id, h.n_blocks) for h in held], owner)
         except BaseException:

@@ -17,6 +17,7 @@ from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, DrainGuard, KubernetesScaler
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
 from infinite_llm.services.manager.manager import GlobalManager, ManagerConfig
+from infinite_llm.services.manager.rebalance import PLAN_INTERVAL_S
 from infinite_llm.services.manager.servicer import GlobalManagerServicer
 from infinite_llm.state.etcd_store import EtcdStore
 
@@ -72,6 +73,7 @@ async def serve(config: ManagerServerConfig) -> None:
     holder.append(servicer)
     service = Service.of(manager_pb2, "GlobalManager", manager_pb2_grpc.add_GlobalManagerServicer_to_server, servicer)
     server = await start_server([service], f"{config.host}:{config.port}")
+    manager.rebalancer.start(PLAN_INTERVAL_S)
     log.info("global manager %s leading, listening on %s:%d", config.manager_id, config.host, server.port)
     autoscaler = None
     if scale is not None:
@@ -87,6 +89,7 @@ async def serve(config: ManagerServerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    await manager.rebalancer.stop()
     if autoscaler is not None:
         await autoscaler.stop()
     await server.stop()

@@ -13,6 +13,7 @@ from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad, ComputeState, heartbeat_age_s
 from infinite_llm.services.manager.manager import GlobalManager
+from infinite_llm.services.manager.migrations import MigrationResult
 
 
 class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
@@ -103,7 +104,31 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
     async def HeartbeatCompute(self, request: mpb.HeartbeatComputeRequest, context) -> mpb.HeartbeatComputeResponse:  # noqa: N802, ANN001
         load = ComputeLoad(request.num_running, request.num_waiting, request.num_tokens_held, time.monotonic())
         await self.manager.heartbeat_compute(request.instance_id, load)
-        return mpb.HeartbeatComputeResponse()
+        return await self._migrations(request)
+
+    async def _migrations(self, request: mpb.HeartbeatComputeRequest) -> mpb.HeartbeatComputeResponse:
+        """Feed the step timings to the planner, settle ended migrations, hand out new orders."""
+        m = self.manager
+        m.rebalancer.observe_steps(
+            request.instance_id, request.num_running, request.num_tokens_held, request.num_steps, request.mean_step_s
+        )
+        for r in request.migration_results:
+            before = m.migrations.migrations_total
+            await m.migrations.settle(
+                MigrationResult(
+                    r.migration_id, r.seq_id, r.src_server_id, r.dst_server_id, r.num_blocks, r.num_moved,
+                    r.bytes_moved, r.error,
+                )
+            )  # fmt: skip
+            self.metrics.migrations.inc(m.migrations.migrations_total - before)
+        orders = [
+            mpb.MigrationOrder(
+                migration_id=o.migration_id, seq_id=o.seq_id, src_server_id=o.src, src_address=o.src_address,
+                dst_server_id=o.dst, dst_address=o.dst_address, reservation_ids=o.reservation_ids,
+            )
+            for o in m.migrations.take_orders(request.instance_id)
+        ]  # fmt: skip
+        return mpb.HeartbeatComputeResponse(migrations=orders)
 
     async def DeregisterCompute(self, request: mpb.DeregisterComputeRequest, context) -> mpb.DeregisterComputeResponse:  # noqa: N802, ANN001
         await self.manager.deregister_compute(request.instance_id)
