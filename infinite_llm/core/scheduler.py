@@ -8,7 +8,9 @@ of the waiting queue with its tokens so far, to be prefilled again (vLLM v1's po
 to KV memory only through the small :class:`BlockManager` protocol, so the same code drives local
 partitions and remote attention servers. A placement refused for one sequence's own sake (its id, or a
 sequence released behind its back: :data:`REQUEST_ERRORS`) fails that sequence alone; the rest of the
-step goes on. Source: vLLM v1 ``Scheduler.schedule``, nano-vllm ``scheduler.py``.
+step goes on. A placement that is unreachable (``Unavailable``: a manager or etcd outage) holds back only
+the sequences that need new rBlocks; the others keep stepping. Source: vLLM v1 ``Scheduler.schedule``,
+nano-vllm ``scheduler.py``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, KVCapacityExceeded, NotFound
+from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, KVCapacityExceeded, NotFound, Unavailable
 from infinite_llm.core.sampling import SamplingParams
 
-# What ``try_allocate`` raises about one sequence: a bad id, an unknown or released sequence. Anything else
-# (an unreachable manager or server) concerns every sequence and propagates out of ``schedule``.
+# What ``try_allocate`` raises about one sequence: a bad id, an unknown or released sequence. ``Unavailable``
+# (placement unreachable) defers the sequence; anything else propagates out of ``schedule``.
 REQUEST_ERRORS = (InvalidRequest, NotFound)
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,10 @@ class Scheduler:
             except REQUEST_ERRORS as e:
                 failed.append(self._fail(seq, e))
                 continue  # it left the running list: the next sequence is at i now
+            except Unavailable as e:  # placement unreachable (a manager or etcd outage): it waits, the rest step
+                log.warning("no rBlocks for %r this step: %s", seq.seq_id[:64], e)
+                i += 1
+                continue
             if seq.status is not SequenceStatus.RUNNING:
                 break
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
@@ -177,6 +183,8 @@ class Scheduler:
             except REQUEST_ERRORS as e:
                 failed.append(self._fail(seq, e))
                 continue  # it left the waiting queue
+            except Unavailable:  # placement unreachable: admit nobody this step
+                break
             if not grown:
                 break
             self.waiting.popleft()

@@ -22,16 +22,26 @@ class LeaseKeeper:
     """Runs ``register`` (returns the lease TTL in seconds), then ``heartbeat`` every TTL/3 until the
     manager answers NOT_FOUND, then registers again; both raise ``grpc.RpcError`` on failure.
 
-    ``registered`` is set after the first successful registration.
+    ``registered`` is set after the first successful registration. ``on_stalled`` is awaited before
+    registering again when this process itself stalled (SIGSTOP, a long pause: its timers fired at least a
+    heartbeat interval late) since its last good heartbeat: its lease has likely lapsed while it could not tell,
+    and the cluster may have counted it dead (an attention server drops its KV there: fenced, it rejoins
+    empty). A manager that was unreachable is no stall: the member keeps its state and registers again.
     """
 
     def __init__(
-        self, name: str, register: Callable[[], Awaitable[float]], heartbeat: Callable[[], Awaitable[None]]
+        self,
+        name: str,
+        register: Callable[[], Awaitable[float]],
+        heartbeat: Callable[[], Awaitable[None]],
+        on_stalled: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.name = name
-        self._register, self._heartbeat = register, heartbeat
+        self._register, self._heartbeat, self._on_stalled = register, heartbeat, on_stalled
         self._task: asyncio.Task | None = None
         self.registered = asyncio.Event()
+        self.stalled_s = 0.0  # the longest lateness of this loop's timers since the last good heartbeat (s)
+        self._interval_s = RETRY_S
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"lease-{self.name}")
@@ -46,17 +56,31 @@ class LeaseKeeper:
     async def _run(self) -> None:
         while True:
             try:
+                await self._fence_if_stalled()
                 ttl = await self._register()
                 self.registered.set()
+                self.stalled_s, self._interval_s = 0.0, max(ttl / 3, MIN_HEARTBEAT_S)
                 while await self._beat():
-                    await asyncio.sleep(max(ttl / 3, MIN_HEARTBEAT_S))
+                    await self._sleep(self._interval_s)
                 log.warning("lease of %s expired; registering again", self.name)
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("the manager refuses %s: %s; retrying", self.name, e.details())  # fix the config
                 else:
                     log.warning("manager unreachable (%s); retrying", e.code().name)
-                await asyncio.sleep(RETRY_S)
+                await self._sleep(RETRY_S)
+
+    async def _sleep(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.sleep(seconds)
+        self.stalled_s = max(self.stalled_s, loop.time() - start - seconds)
+
+    async def _fence_if_stalled(self) -> None:
+        if self.registered.is_set() and self.stalled_s >= self._interval_s and self._on_stalled is not None:
+            log.warning("%s stalled %.1f s; fencing before registering again", self.name, self.stalled_s)
+            await self._on_stalled()
+            self.stalled_s = 0.0
 
     async def _beat(self) -> bool:
         """One heartbeat; False when the manager no longer knows this member."""
@@ -66,4 +90,5 @@ class LeaseKeeper:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return False
             raise
+        self.stalled_s = 0.0  # the lease is live: an earlier stall cost nothing
         return True

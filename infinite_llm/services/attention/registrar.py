@@ -8,7 +8,7 @@ The loop (register, heartbeat every TTL/3, register again after NOT_FOUND) is th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
@@ -20,7 +20,13 @@ log = logging.getLogger(__name__)
 
 
 class Registrar:
-    """Keeps one server registered; ``stats()`` is read on every heartbeat."""
+    """Keeps one server registered; ``stats()`` is read on every heartbeat.
+
+    ``occupancy()`` (optional): ``(committed, reserved)`` rBlocks per sequence, sent with each heartbeat for
+    the manager's orphan reconciliation. ``on_stalled`` (optional): awaited before registering again after
+    this process stalled past a heartbeat (its lease likely lapsed); the server drops its rBlocks there
+    (fenced: it rejoins empty).
+    """
 
     def __init__(
         self,
@@ -30,11 +36,13 @@ class Registrar:
         block_size: int,
         stats: Callable[[], HolderStats],
         node_name: str = "",
+        occupancy: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None,
+        on_stalled: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=5.0))
         self.server_id, self.address, self.block_size, self.node_name = server_id, address, block_size, node_name
-        self._stats = stats
-        self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat)
+        self._stats, self._occupancy = stats, occupancy
+        self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat, on_stalled)
         self.registered = self._keeper.registered
 
     def start(self) -> None:
@@ -66,11 +74,12 @@ class Registrar:
 
     async def _heartbeat(self) -> None:
         s = self._stats()
-        await self._stub.Heartbeat(
-            mpb.HeartbeatRequest(
-                server_id=self.server_id,
-                free_blocks=s.num_free,
-                used_blocks=s.num_used,
-                num_sequences=s.num_sequences,
-            )
+        request = mpb.HeartbeatRequest(
+            server_id=self.server_id, free_blocks=s.num_free, used_blocks=s.num_used, num_sequences=s.num_sequences
         )
+        if self._occupancy is not None:
+            committed, reserved = self._occupancy()
+            request.reports_sequences = True
+            request.sequences.extend(mpb.SeqBlocks(seq_id=q, num_blocks=n) for q, n in committed.items())
+            request.reserved.extend(mpb.SeqBlocks(seq_id=q, num_blocks=n) for q, n in reserved.items())
+        await self._stub.Heartbeat(request)

@@ -175,6 +175,8 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
             config.block_size,
             server.servicer.holder.stats,
             node_name=config.node_name,
+            occupancy=server.servicer.holder.occupancy,
+            on_stalled=server.servicer.fence,
         )
         registrar.start()
     try:
