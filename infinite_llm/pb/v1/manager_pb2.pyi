@@ -29,16 +29,30 @@ class RegisterResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "free_blocks", "used_blocks", "num_sequences")
+    __slots__ = ("server_id", "free_blocks", "used_blocks", "num_sequences", "sequences", "reserved", "reports_sequences")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     free_blocks: int
     used_blocks: int
     num_sequences: int
-    def __init__(self, server_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+    sequences: _containers.RepeatedCompositeFieldContainer[SeqBlocks]
+    reserved: _containers.RepeatedCompositeFieldContainer[SeqBlocks]
+    reports_sequences: bool
+    def __init__(self, server_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reserved: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reports_sequences: _Optional[bool] = ...) -> None: ...
+
+class SeqBlocks(_message.Message):
+    __slots__ = ("seq_id", "num_blocks")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_blocks: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()
@@ -159,11 +173,13 @@ class RegisterComputeResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class HeartbeatComputeRequest(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held", "num_steps", "mean_step_s", "migration_results")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held", "seq_ids", "reports_seq_ids", "num_steps", "mean_step_s", "migration_results")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     MEAN_STEP_S_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -171,10 +187,12 @@ class HeartbeatComputeRequest(_message.Message):
     num_running: int
     num_waiting: int
     num_tokens_held: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    reports_seq_ids: bool
     num_steps: int
     mean_step_s: float
     migration_results: _containers.RepeatedCompositeFieldContainer[MigrationResult]
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., reports_seq_ids: _Optional[bool] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
 
 class MigrationOrder(_message.Message):
     __slots__ = ("migration_id", "seq_id", "src_server_id", "src_address", "dst_server_id", "dst_address", "reservation_ids")

@@ -190,3 +190,21 @@ class ServedRManager:
             num_sequences=sum(1 for s in self.rm.sequences() if self.rm.owned_blocks(s)),
             bytes_per_block=self.layout.bytes_per_block,
         )
+
+    def occupancy(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``(committed, reserved)``: rBlocks per sequence, committed and in open reservations (what the
+        manager's orphan reconciler compares with its ledger). Safe from another thread: each read copies a
+        dict in one call, which CPython makes without releasing the GIL; a snapshot may be one call stale."""
+        committed = {seq_id: n for seq_id in self.rm.sequences() if (n := len(self.rm.owned_blocks(seq_id)))}
+        reserved: dict[str, int] = {}
+        for seq_id, ids in dict(self._reservations).values():
+            reserved[seq_id] = reserved.get(seq_id, 0) + len(ids)
+        return committed, reserved
+
+    def reset(self) -> int:
+        """Free every rBlock and reservation (a server fenced out after its lease expired rejoins empty:
+        the cluster already counts its KV as lost). Returns the rBlocks freed."""
+        freed = sum(self.free_sequence(seq_id) for seq_id in self.rm.sequences())
+        for reservation_id in list(self._reservations):
+            self.cancel(reservation_id)
+        return freed

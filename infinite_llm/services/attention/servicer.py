@@ -11,6 +11,7 @@ crosses the event loop per layer. Errors are typed (``core/errors.py``) and beco
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,7 @@ from infinite_llm.services.attention.tensor_channels import TensorChannel, Tenso
 from infinite_llm.services.attention.types import ServerStep
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 MAX_CHUNK_BYTES = 16 << 20  # an export chunk larger than this defeats the point of streaming
 
 
@@ -60,6 +62,12 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         if self.channels is not None:
             self.channels.close_all()
         self._executor.shutdown(wait=True)
+
+    async def fence(self) -> None:
+        """This server's lease expired (it was paused or cut off): the cluster counts its KV as lost and
+        recomputes those sequences elsewhere, so it drops every rBlock and reservation and rejoins empty."""
+        freed = await self._run(self.holder.reset)
+        log.warning("lease of %s was lost: fenced, %d rBlocks dropped before registering again", self.server_id, freed)
 
     # ---- placement -----------------------------------------------------------------------------------
     async def ReserveBlocks(self, request: pb.ReserveBlocksRequest, context) -> pb.ReserveBlocksResponse:

@@ -35,6 +35,9 @@ class ComputeLoadReport:
     num_tokens_held: int
     num_steps: int = 0  # decode steps since the last report
     mean_step_s: float = 0.0  # their mean wall time (seconds)
+    # Sequences it holds or is placing rBlocks for, for the manager's orphan reconciliation (None: not told;
+    # the manager then reclaims none of its ledger entries for want of a listing).
+    seq_ids: tuple[str, ...] | None = None
 
 
 class ComputeRegistrar:
@@ -104,6 +107,8 @@ class ComputeRegistrar:
                 num_running=load.num_running,
                 num_waiting=load.num_waiting,
                 num_tokens_held=load.num_tokens_held,
+                seq_ids=load.seq_ids or (),
+                reports_seq_ids=load.seq_ids is not None,
                 num_steps=load.num_steps,
                 mean_step_s=load.mean_step_s,
                 migration_results=[result_to_proto(r) for r in results],

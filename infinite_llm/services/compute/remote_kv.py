@@ -15,16 +15,23 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
+import tenacity
 
 from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.core.dist_attention import BlockId, BlockRef, DistAttention, HolderId
 from infinite_llm.core.errors import CapacityExhausted, FailedPrecondition, InvalidRequest
+from infinite_llm.pb.v1 import attention_server_pb2 as apb
+from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import sync_channel
 
 log = logging.getLogger(__name__)
 CAPACITY_REFRESH_S = 1.0  # how stale the cluster's capacity view may be before it is read again (seconds)
+# An unreachable manager (restarting, or etcd down) is retried with exponential backoff for this long
+# (seconds) before the placement is given up for this step: the engine thread waits meanwhile.
+# Only UNAVAILABLE is retried: a Place that timed out may still land, and placing twice would not be idempotent.
+PLACE_RETRY_S = 1.0
 TRANSPORTS = ("grpc", "torch")
 
 
@@ -32,7 +39,9 @@ class ManagerPlacement:
     """rBlocks on the cluster's attention servers, placed by the global manager; learns their addresses.
 
     ``instance_id``: this compute instance, named in every placement so the ledger records whose sequence it
-    is ('' = anonymous; the manager then counts no debt for it).
+    is ('' = anonymous; the manager then counts no debt for it). :meth:`held_seq_ids` (heartbeats report it)
+    lists every sequence from before its first ``Place`` until its ``Release`` was sent, so the manager
+    reclaims any ledger entry of this instance that it does not list (a release lost in an outage).
     """
 
     def __init__(self, manager_address: str, block_size: int, timeout_s: float = 30.0, instance_id: str = "") -> None:
@@ -43,6 +52,13 @@ class ManagerPlacement:
         self._addresses: dict[HolderId, str] = {}
         self._lock = threading.Lock()
         self._capacity = (0, 0, 0.0)  # (total, free, read at monotonic time)
+        self._held: set[str] = set()
+        self._servers: dict[str, agrpc.AttentionServerStub] = {}
+
+    def held_seq_ids(self) -> list[str]:
+        """Sequences this instance holds, or is placing, rBlocks for. Thread-safe."""
+        with self._lock:
+            return sorted(self._held)
 
     def address_of(self, server: HolderId) -> str:
         """``host:port`` of an attention server this instance placed rBlocks on. Thread-safe."""
@@ -99,9 +115,15 @@ class ManagerPlacement:
             block_size=self.block_size,
             instance_id=self.instance_id,
         )
+        with self._lock:
+            had = seq_id in self._held
+            self._held.add(seq_id)  # listed before its ledger entry can exist
         try:
-            reply = self._manager.Place(request, timeout=self.timeout_s)
+            reply = self._call_manager("Place", request)
         except grpc.RpcError as e:
+            if not had:
+                with self._lock:
+                    self._held.discard(seq_id)
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._capacity = (self._capacity[0], 0, 0.0)  # re-read the view next time
                 return None
@@ -116,16 +138,52 @@ class ManagerPlacement:
         return refs
 
     def release(self, seq_id: str, holders: Sequence[HolderId]) -> int:
-        """The manager frees the sequence's rBlocks on its servers and drops its ledger entry."""
+        """The manager frees the sequence's rBlocks on its servers and drops its ledger entry.
+
+        If the manager stays unreachable (an outage), the holders free the rBlocks directly and the ledger
+        entry is left to the manager's reconciliation (this instance no longer lists the sequence): a
+        sequence that ends during an outage neither fails nor leaks.
+        """
+        with self._lock:
+            self._held.discard(seq_id)
         try:
-            reply = self._manager.Release(mpb.ReleaseRequest(seq_id=seq_id), timeout=self.timeout_s)
+            reply = self._call_manager("Release", mpb.ReleaseRequest(seq_id=seq_id))
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:  # already released
                 return 0
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return self._free_on_holders(seq_id, holders)
             raise error_from_rpc(e) from None
         total, free, at = self._capacity
         self._capacity = (total, free + reply.num_freed, at)
         return reply.num_freed
+
+    def _call_manager(self, method: str, request):  # noqa: ANN001, ANN202
+        """One manager call, retried with exponential backoff (0.1 s doubling, up to ``PLACE_RETRY_S`` in
+        all) while the manager is unreachable (UNAVAILABLE). Raises the last ``grpc.RpcError``."""
+        unavailable = grpc.StatusCode.UNAVAILABLE
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, grpc.RpcError) and e.code() == unavailable),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
+            stop=tenacity.stop_after_delay(PLACE_RETRY_S),
+            reraise=True,
+        )
+        return retrying(getattr(self._manager, method), request, timeout=self.timeout_s)
+
+    def _free_on_holders(self, seq_id: str, holders: Sequence[HolderId]) -> int:
+        """Free ``seq_id`` on each holder directly (best effort); returns the rBlocks freed."""
+        freed = 0
+        for holder in holders:
+            try:
+                stub = self._servers.get(holder)
+                if stub is None:
+                    stub = self._servers[holder] = agrpc.AttentionServerStub(sync_channel(self.address_of(holder)))
+                request = apb.FreeSequenceRequest(seq_id=seq_id)
+                freed += stub.FreeSequence(request, timeout=min(self.timeout_s, PLACE_RETRY_S)).num_freed
+            except (grpc.RpcError, InvalidRequest) as e:
+                log.warning("could not free %s on %s directly: %s", seq_id[:64], holder, e)
+        log.warning("manager unreachable: freed %d rBlocks of %s on its holders; its ledger entry waits", freed, seq_id)
+        return freed
 
 
 def remote_dist_attention(

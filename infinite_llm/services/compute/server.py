@@ -128,7 +128,7 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     server = await start_server([service], f"{config.host}:{config.port}")
     log.info("compute instance %s serving %s on %s:%d", config.instance_id, model_name, config.host, server.port)
     print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)
-    registrar = registrar_for(config, server.port, loop)
+    registrar = registrar_for(config, server.port, loop, kv.placement.held_seq_ids)
     if config.migration_tokens_per_step > 0:
         registrar.migrations = migration_executor(loop, kv, config)
     registrar.start()
@@ -154,15 +154,21 @@ def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfi
     return executor
 
 
-def registrar_for(config: ComputeConfig, port: int, loop: EngineLoop) -> ComputeRegistrar:
-    """The instance's membership: its advertised ``host:port``, homes, and its loop's load on heartbeats."""
+def registrar_for(
+    config: ComputeConfig, port: int, loop: EngineLoop, held: Callable[[], list[str]] | None = None
+) -> ComputeRegistrar:
+    """The instance's membership: its advertised ``host:port``, homes, and its loop's load on heartbeats
+    (``held()``: the sequences it holds rBlocks for, for the manager's orphan reconciliation)."""
     seen = [0, 0.0]  # steps and step seconds already reported
 
     def load() -> ComputeLoadReport:
         steps, seconds = loop.steps - seen[0], loop.step_seconds - seen[1]
         seen[:] = [loop.steps, loop.step_seconds]
         mean = seconds / steps if steps else 0.0
-        return ComputeLoadReport(loop.num_running, loop.num_waiting, loop.num_tokens_held, steps, mean)
+        held_now = None if held is None else tuple(held())
+        return ComputeLoadReport(
+            loop.num_running, loop.num_waiting, loop.num_tokens_held, steps, mean, seq_ids=held_now
+        )
 
     return ComputeRegistrar(
         config.manager_address,

@@ -18,6 +18,7 @@ from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSetting
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
 from infinite_llm.services.manager.manager import GlobalManager, ManagerConfig
 from infinite_llm.services.manager.rebalance import PLAN_INTERVAL_S
+from infinite_llm.services.manager.reconcile import Reconciler
 from infinite_llm.services.manager.servicer import GlobalManagerServicer
 from infinite_llm.state.etcd_store import EtcdStore
 
@@ -68,11 +69,13 @@ async def serve(config: ManagerServerConfig) -> None:
     )
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
     registry = CollectorRegistry()
-    servicer = GlobalManagerServicer(manager, ManagerMetrics(registry))
+    reconciler = Reconciler(manager, guard or servers, interval_s=max(config.member_ttl_s / 4, 0.5))
+    servicer = GlobalManagerServicer(manager, ManagerMetrics(registry), reconciler.reports)
     serve_metrics(registry, config.metrics_port, config.host)
     holder.append(servicer)
     service = Service.of(manager_pb2, "GlobalManager", manager_pb2_grpc.add_GlobalManagerServicer_to_server, servicer)
     server = await start_server([service], f"{config.host}:{config.port}")
+    reconciler.start()
     manager.rebalancer.start(PLAN_INTERVAL_S)
     log.info("global manager %s leading, listening on %s:%d", config.manager_id, config.host, server.port)
     autoscaler = None
@@ -89,6 +92,7 @@ async def serve(config: ManagerServerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    await reconciler.stop()
     await manager.rebalancer.stop()
     if autoscaler is not None:
         await autoscaler.stop()

@@ -13,13 +13,18 @@ from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad, ComputeState, heartbeat_age_s
 from infinite_llm.services.manager.manager import GlobalManager
+from infinite_llm.services.manager.reconcile import Reports, ServerReport
 from infinite_llm.services.manager.migrations import MigrationResult
 
 
 class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
-    def __init__(self, manager: GlobalManager, metrics: ManagerMetrics | None = None) -> None:
+    def __init__(
+        self, manager: GlobalManager, metrics: ManagerMetrics | None = None, reports: Reports | None = None
+    ) -> None:
+        """``reports``: where heartbeats' holdings go for the orphan reconciler (``None``: dropped)."""
         self.manager = manager
         self.metrics = metrics or ManagerMetrics(CollectorRegistry())
+        self.reports = reports
 
     def address_of(self, server_id: str) -> str | None:
         for m in self.manager.members():
@@ -41,6 +46,11 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
 
     async def Heartbeat(self, request: mpb.HeartbeatRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await self.manager.heartbeat(request.server_id, request.free_blocks, float(request.num_sequences))
+        if self.reports is not None and request.reports_sequences:
+            held = ServerReport(
+                {s.seq_id: s.num_blocks for s in request.sequences}, {s.seq_id: s.num_blocks for s in request.reserved}
+            )
+            self.reports.server(request.server_id, held)
         self.metrics.view_free.labels(server_id=request.server_id).set(request.free_blocks)
         return mpb.HeartbeatResponse()
 
@@ -104,6 +114,8 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
     async def HeartbeatCompute(self, request: mpb.HeartbeatComputeRequest, context) -> mpb.HeartbeatComputeResponse:  # noqa: N802, ANN001
         load = ComputeLoad(request.num_running, request.num_waiting, request.num_tokens_held, time.monotonic())
         await self.manager.heartbeat_compute(request.instance_id, load)
+        if self.reports is not None and request.reports_seq_ids:
+            self.reports.compute(request.instance_id, request.seq_ids)
         return await self._migrations(request)
 
     async def _migrations(self, request: mpb.HeartbeatComputeRequest) -> mpb.HeartbeatComputeResponse:
