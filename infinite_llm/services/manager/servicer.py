@@ -13,8 +13,8 @@ from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad, ComputeState, heartbeat_age_s
 from infinite_llm.services.manager.manager import GlobalManager
-from infinite_llm.services.manager.reconcile import Reports, ServerReport
 from infinite_llm.services.manager.migrations import MigrationResult
+from infinite_llm.services.manager.reconcile import Reports, ServerReport
 
 
 class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
