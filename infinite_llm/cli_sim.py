@@ -1,0 +1,61 @@
+"""``infinite-llm simulate``: the paper-scale simulator (:mod:`infinite_llm.sim`) from the command line.
+
+Prints, per model of the setting, the throughput of pooled KV (the real placement and planner), static
+per-instance KV and one big instance on a short- and a long-context trace, then the ratios beside the
+paper's (PAPER.md "Evaluation"). Pure simulation: no model, no network; the output is deterministic in
+``--seed``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def simulate(
+    setting: Annotated[str, typer.Option(help="paper (32 GPUs, LLaMA2-7B/13B/70B) or tiny (this CPU, SmolLM2).")] = (
+        "paper"
+    ),
+    calibration: Annotated[
+        str | None,
+        typer.Option(help="a100, h200, cpu or a calibration YAML file (default: the setting's own)."),
+    ] = None,
+    model: Annotated[list[str] | None, typer.Option(help="Only these models of the setting (repeatable).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the traces.")] = 0,
+    planner: Annotated[bool, typer.Option(help="Run the manager's planner in pooled mode (off: placement only).")] = (
+        True
+    ),
+) -> None:
+    """Simulate pooled vs static vs one-big-instance serving and print the ratios beside the paper's."""
+    from infinite_llm.sim.calibration import load_calibration
+    from infinite_llm.sim.scenarios import SETTINGS, report_lines, run_model, single_shape
+
+    if setting not in SETTINGS:
+        raise typer.BadParameter(f"unknown setting {setting!r}; use {' or '.join(SETTINGS)}", param_hint="--setting")
+    chosen = SETTINGS[setting]
+    try:
+        cal = load_calibration(calibration or chosen.calibration)
+    except (ValueError, KeyError, TypeError) as e:
+        raise typer.BadParameter(str(e), param_hint="--calibration") from None
+    runs = [r for r in chosen.models if not model or r.model in model]
+    if not runs:
+        known = ", ".join(r.model for r in chosen.models)
+        raise typer.BadParameter(
+            f"no model of setting {setting!r} matches {model}; known: {known}", param_hint="--model"
+        )
+    typer.echo(
+        f"simulate: setting {chosen.name}, calibration {cal.name} ({cal.source}), {chosen.accelerators} "
+        f"accelerators ({chosen.nodes} nodes x {chosen.per_node}), seed {seed}, planner {'on' if planner else 'off'}"
+    )
+    for run in runs:
+        try:
+            report = run_model(chosen, cal, run, seed, planner=planner)
+        except ValueError as e:  # a model that does not fit, a fitted calibration for another model
+            raise typer.BadParameter(str(e), param_hint="--calibration") from None
+        for line in report_lines(report, single_shape(chosen)):
+            typer.echo(line)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("simulate")(simulate)

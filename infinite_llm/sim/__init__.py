@@ -1,0 +1,27 @@
+"""``infinite-llm simulate``: a discrete-event simulator of the cluster past one machine (DESIGN.md §9).
+
+Simulated compute instances step through request traces with step costs from a calibration file
+(:mod:`.calibration`: this CPU's fitted figures, an A100-80GB or H200 from published figures); their KV is
+placed by the manager's real placement code and moved by its real planner (:mod:`.simulator`,
+:mod:`.planning`). :mod:`.scenarios` holds the paper's setting and a tiny one, and the paper's ratios.
+
+Assumptions (also in the README, "The simulator"):
+
+- Requests all arrive at time 0 and are routed round-robin; each instance admits FCFS (a head that does
+  not fit blocks its queue, as vLLM's scheduler) up to ``max_num_seqs``, and reserves a request's whole
+  context (prompt + output) at admission, so nothing is preempted. A request no placement could ever hold
+  (static: more than the home; pooled: more than the pool) is refused.
+- Throughput is output tokens per second over the saturated window (every instance has work waiting),
+  leaving out the first quarter of the horizon (ramp-up).
+- Step cost: ``dense(B, tokens) + max(home attention, slowest remote partial + round trips)`` plus causal
+  prefill attention, roofline coefficients for GPUs (:class:`~.calibration.InstanceCost`); a server's KV
+  of a sequence is its share of the sequence's rBlocks; a creditor pays the attention over what it lends.
+- Instances are identical; one attention server per instance (its home: the KV memory of its accelerators).
+- Migration moves ``migration_tokens_per_step`` tokens per step of the owner and costs no step time
+  (the paper measured 16 tokens per step as free).
+"""
+
+from infinite_llm.sim.calibration import Calibration, InstanceCost, load_calibration
+from infinite_llm.sim.simulator import SimConfig, SimResult, Simulator
+
+__all__ = ["Calibration", "InstanceCost", "SimConfig", "SimResult", "Simulator", "load_calibration"]

@@ -1,0 +1,238 @@
+"""Settings the simulator runs, and the comparison with the paper's ratios.
+
+``paper`` reproduces the paper's testbed (PAPER.md "Evaluation"): 32 accelerators as 4 nodes x 8,
+LLaMA2-7B/13B/70B, a short-context and a long-context trace (contexts up to 2,000K tokens). Per model:
+``pooled`` (Infinite-LLM: instances of the model's small parallel shape, KV anywhere through the real
+placement and planner), ``static`` (vLLM-multi: the same instances, KV on the home only) and ``single``
+(vLLM-single: one instance over every accelerator, TP=8 within a node x PP=4 across nodes, KV on all of
+them). ``tiny`` is this machine's setting (the CPU calibration, SmolLM2-135M, 2 instances of small KV
+memory): quick, and what the tests run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+
+from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.services.manager.capacity import CapacityView
+from infinite_llm.services.manager.placement import reserve_placement
+from infinite_llm.sim.calibration import Calibration
+from infinite_llm.sim.cluster import SimServers
+from infinite_llm.sim.models import get_model
+from infinite_llm.sim.simulator import SimConfig, SimResult, Simulator
+from infinite_llm.sim.traces import TraceSpec, generate
+
+# PAPER.md "Evaluation": (low, high) of each ratio the paper reports.
+PAPER_RATIOS = {
+    "pooled/static short": (1.35, 1.73),
+    "pooled/single short": (1.4, 5.3),
+    "pooled/single long": (1.4, 3.4),
+    "longest context pooled/static": (2.0, 19.0),
+}
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    """One model of a setting: its instances' tensor-parallel degree and the simulated horizon (seconds)."""
+
+    model: str
+    tp: int
+    horizon_s: float
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A cluster and its traces. ``kv_memory_bytes``: per instance, for a fitted calibration (else derived
+    from the accelerators); ``requests_per_instance``: trace size (enough that queues last the horizon)."""
+
+    name: str
+    calibration: str
+    nodes: int
+    per_node: int
+    models: tuple[ModelRun, ...]
+    single_tp: int
+    single_pp: int
+    max_context: int
+    requests_per_instance: int
+    short_fraction_docs: float = 0.02
+    short_doc_max: int = 100_000
+    long_fraction_docs: float = 0.05
+    long_doc_min: int = 100_000
+    conversation_max: int = 16_384
+    kv_memory_bytes: float | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    tick_s: float = 0.5
+
+    @property
+    def accelerators(self) -> int:
+        return self.nodes * self.per_node
+
+
+SETTINGS = {
+    "paper": Setting(
+        name="paper",
+        calibration="a100",
+        nodes=4,
+        per_node=8,
+        models=(ModelRun("llama2-7b", 1, 120.0), ModelRun("llama2-13b", 2, 120.0), ModelRun("llama2-70b", 4, 300.0)),
+        single_tp=8,
+        single_pp=4,
+        max_context=2_000_000,
+        requests_per_instance=600,
+    ),
+    "tiny": Setting(
+        name="tiny",
+        calibration="cpu",
+        nodes=1,
+        per_node=2,
+        models=(ModelRun("smollm2-135m", 1, 600.0),),
+        single_tp=1,
+        single_pp=1,
+        max_context=4_096,
+        requests_per_instance=12,
+        short_fraction_docs=0.1,
+        short_doc_max=1_800,
+        long_fraction_docs=0.25,
+        long_doc_min=2_000,
+        conversation_max=512,
+        kv_memory_bytes=2048 * 46080,  # 2,048 tokens of SmolLM2 fp32 KV per instance
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        tick_s=2.0,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    """Everything printed for one model: instance shapes, per-trace results, longest contexts."""
+
+    model: str
+    instances: int
+    tp: int
+    instance_tokens: int
+    single_tokens: int
+    results: dict[tuple[str, str], SimResult]  # (trace, mode) -> result
+    longest_pooled: int
+    longest_static: int
+
+    def ratios(self) -> dict[str, float]:
+        def tput(trace: str, mode: str) -> float:
+            return self.results[(trace, mode)].tokens_per_s
+
+        return {
+            "pooled/static short": tput("short", "pooled") / tput("short", "static"),
+            "pooled/single short": tput("short", "pooled") / tput("short", "single"),
+            "pooled/single long": tput("long", "pooled") / tput("long", "single"),
+            "longest context pooled/static": self.longest_pooled / self.longest_static,
+        }
+
+
+def traces(setting: Setting, instance_tokens: int, instances: int, seed: int) -> dict[str, TraceSpec]:
+    """The short-context and long-context trace specs of one model run (documents sized to the cluster)."""
+    n = setting.requests_per_instance * instances
+    pool = min(setting.max_context, instance_tokens * instances)
+    short_max = max(min(setting.short_doc_max, int(0.9 * instance_tokens)), 2)
+    return {
+        "short": TraceSpec("short", n, setting.short_fraction_docs, min(8_000, short_max), short_max),
+        "long": TraceSpec("long", n, setting.long_fraction_docs, min(setting.long_doc_min, pool), pool),
+    }
+
+
+def run_model(
+    setting: Setting, calibration: Calibration, run: ModelRun, seed: int, planner: bool = True
+) -> ModelReport:
+    """Simulate one model of ``setting``: 2 traces x (pooled, static, single), and the longest contexts."""
+    model = get_model(run.model)
+    instances = setting.accelerators // run.tp
+    cost = calibration.instance_cost(model, run.tp, 1, setting.kv_memory_bytes)
+    single_memory = None if setting.kv_memory_bytes is None else setting.kv_memory_bytes * instances
+    single = calibration.instance_cost(model, setting.single_tp, setting.single_pp, single_memory)
+    base = SimConfig(
+        "pooled",
+        instances,
+        cost,
+        block_size=setting.block_size,
+        max_num_seqs=setting.max_num_seqs,
+        max_num_batched_tokens=setting.max_num_batched_tokens,
+        tick_s=setting.tick_s,
+        planner=planner,
+    )
+    configs = {
+        "pooled": base,
+        "static": replace(base, mode="static"),
+        "single": replace(base, mode="static", num_instances=1, cost=single),
+    }
+    results = {}
+    for trace_name, spec in traces(setting, cost.kv_capacity_tokens, instances, seed).items():
+        requests = generate(spec, seed)
+        for mode, config in configs.items():
+            results[(trace_name, mode)] = asyncio.run(Simulator(config, requests, horizon_s=run.horizon_s).run())
+    return ModelReport(
+        model=run.model,
+        instances=instances,
+        tp=run.tp,
+        instance_tokens=cost.kv_capacity_tokens,
+        single_tokens=single.kv_capacity_tokens,
+        results=results,
+        longest_pooled=longest_placeable(configs["pooled"], setting.max_context),
+        longest_static=longest_placeable(configs["static"], setting.max_context),
+    )
+
+
+def longest_placeable(config: SimConfig, max_context: int) -> int:
+    """The longest context (tokens, at most ``max_context``, whole rBlocks) the real placement accepts for
+    one sequence on an empty cluster of ``config``: home only in ``static`` mode, anywhere in ``pooled``."""
+    reachable = config.capacity_blocks * (config.num_instances if config.mode == "pooled" else 1)
+    blocks = min(reachable, max_context // config.block_size)
+    assert asyncio.run(_fits(config, blocks)) and not asyncio.run(_fits(config, reachable + 1))
+    return blocks * config.block_size
+
+
+async def _fits(config: SimConfig, n_blocks: int) -> bool:
+    servers = SimServers({f"s{i}": config.capacity_blocks for i in range(config.num_instances)})
+    view = CapacityView()
+    for server_id, capacity in servers.capacity.items():
+        view.add(server_id, capacity)
+    lenders = () if config.mode == "static" else None
+    try:
+        await reserve_placement(servers, view, "probe", n_blocks, "s0", homes=("s0",), lenders=lenders)
+    except CapacityExhausted:
+        return False
+    return True
+
+
+def compare(value: float, paper: tuple[float, float]) -> str:
+    """``within`` the paper's range, or how far outside it (percent of the nearer end)."""
+    low, high = paper
+    if low <= value <= high:
+        return "within the paper's range"
+    end = low if value < low else high
+    return f"{abs(value / end - 1) * 100:.0f}% {'below' if value < low else 'above'} the paper's range"
+
+
+def report_lines(report: ModelReport, single_shape: str) -> list[str]:
+    """The printed lines of one model (a contract: tests and the README read them)."""
+    r = report.results
+    lines = [
+        f"{report.model}: {report.instances} instances of TP={report.tp} ({report.instance_tokens:,} KV tokens "
+        f"each, pool {report.instance_tokens * report.instances:,}); single {single_shape} "
+        f"({report.single_tokens:,})"
+    ]
+    for trace in ("short", "long"):
+        p, s, g = r[(trace, "pooled")], r[(trace, "static")], r[(trace, "single")]
+        lines.append(
+            f"  {trace}: pooled {p.tokens_per_s:,.0f} tok/s (migrations {p.migrations}), static "
+            f"{s.tokens_per_s:,.0f} tok/s (refused {s.refused}), single {g.tokens_per_s:,.0f} tok/s"
+        )
+    for name, value in report.ratios().items():
+        low, high = PAPER_RATIOS[name]
+        lines.append(f"  {name} {value:.2f}x (paper {low:g}-{high:g}x): {compare(value, PAPER_RATIOS[name])}")
+    return lines
+
+
+def single_shape(setting: Setting) -> str:
+    return f"TP={setting.single_tp} x PP={setting.single_pp}"

@@ -1,0 +1,322 @@
+"""The discrete-event simulator: compute instances stepping over simulated KV, placed by the real manager code.
+
+Each compute instance is a continuous-batching engine (vLLM-like: FCFS queue, head-of-line admission,
+chunked prefill under ``max_num_batched_tokens`` mixed with the batch's decodes) whose step times come from
+an :class:`~infinite_llm.sim.calibration.InstanceCost`. What is real:
+
+- placement: every admitted sequence's rBlocks are reserved with the manager's own
+  :func:`~infinite_llm.services.manager.placement.reserve_placement` over a real
+  :class:`~infinite_llm.services.manager.capacity.CapacityView` and :class:`~.cluster.SimServers`
+  (``static``: home only, lenders ``()``; ``pooled``: home first, then the planner's
+  :func:`~infinite_llm.services.manager.planner.lenders`, or every server with the planner off);
+- the planner: in ``pooled`` mode every ``planner_interval_s`` the manager's
+  :func:`~infinite_llm.services.manager.planner.plan` runs on a :class:`ClusterView` of the simulated
+  cluster, with each instance's :class:`StepCost` fitted by the real
+  :func:`~infinite_llm.services.manager.planner.fit_step_cost` from its own step timings; each move is a
+  reservation on the destination, then a transfer metered at ``migration_tokens_per_step`` tokens per step
+  of the owner, then the flip (commit on the destination, release on the source).
+
+Time advances by events: an instance's next step (decode steps of a stable batch are taken together, up to
+``tick_s`` of simulated time, their cost integrated exactly for the linear growth of the KV), a planner run,
+a migration's end. Deterministic: no wall clock, no randomness past the trace. The assumptions are listed in
+:mod:`infinite_llm.sim` and the README ("The simulator").
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.services.manager.capacity import CapacityView
+from infinite_llm.services.manager.placement import reserve_placement
+from infinite_llm.services.manager.planner import StepSample
+from infinite_llm.sim.calibration import InstanceCost
+from infinite_llm.sim.cluster import Instance, KVTokens, SimSeq, SimServers
+from infinite_llm.sim.planning import PlannerDriver
+from infinite_llm.sim.traces import Request
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated cluster. ``mode``: ``pooled`` (KV anywhere) or ``static`` (KV on the home only);
+    one instance in ``static`` mode is the one-big-instance baseline."""
+
+    mode: str
+    num_instances: int
+    cost: InstanceCost
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    tick_s: float = 0.25
+    planner: bool = True
+    planner_interval_s: float = 1.0
+    migration_tokens_per_step: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pooled", "static"):
+            raise ValueError(f"mode must be pooled or static, got {self.mode!r}")
+        if self.num_instances < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.tick_s <= 0:
+            raise ValueError(f"bad simulator config {self}")
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.cost.kv_capacity_tokens // self.block_size
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one run produced, in tokens and seconds of simulated time.
+
+    Throughput is measured over the saturated window: until the horizon or the first instance's queue ran
+    empty (every instance had work waiting until then), so one request's decode tail does not decide it;
+    with a horizon, its first quarter (the ramp-up: every instance prefilling its first batch) is left out.
+    ``window_s``/``window_tokens``: that window and the output tokens decoded in it; ``makespan_s``: the
+    last completion when the run went on to the end, else the window's end.
+    """
+
+    window_tokens: int
+    window_s: float
+    output_tokens: int
+    makespan_s: float
+    served: int
+    refused: int
+    longest_context: int
+    migrations: int
+    migrated_blocks: int
+    events: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Over the window; over the whole run if the window closed at once (a queue empty at time 0)."""
+        if self.window_s > 0:
+            return self.window_tokens / self.window_s
+        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+
+class Simulator:
+    """Run ``requests`` (all arriving at time 0, routed round-robin) on the cluster of ``config``.
+
+    The run stops at the end of the saturated window (the first instance's queue ran empty, or
+    ``horizon_s`` of simulated time), or with ``to_completion`` when every request is done.
+    """
+
+    def __init__(
+        self, config: SimConfig, requests: list[Request], horizon_s: float = math.inf, to_completion: bool = False
+    ) -> None:
+        self.config = config
+        self.horizon_s = horizon_s
+        self.warmup_s = horizon_s / 4 if math.isfinite(horizon_s) else math.inf  # ramp-up left out
+        self.warm: tuple[int, float] | None = None  # (output tokens, time) at the warm-up's end
+        self.to_completion = to_completion
+        self.window: tuple[int, float] | None = None  # (output tokens, time) when a queue first ran empty
+        n = config.num_instances
+        self.instances = [Instance(i, f"c{i}", f"s{i}") for i in range(n)]
+        for k, req in enumerate(requests):
+            self.instances[k % n].queue.append(req)
+        self.servers = SimServers({i.home: config.capacity_blocks for i in self.instances})
+        self.view = CapacityView()
+        for i in self.instances:
+            self.view.add(i.home, config.capacity_blocks)
+        self.kv = KVTokens(list(self.servers.capacity), [i.home for i in self.instances])
+        self.planner = PlannerDriver(self) if config.mode == "pooled" and config.planner else None
+        self.now = 0.0
+        self._events: list[tuple[float, int, str, object]] = []
+        self._seqno = 0
+        self.output_tokens = self.served = self.refused = self.longest = self.events = 0
+        self.makespan = 0.0
+        self.seqs: dict[str, SimSeq] = {}  # running sequences by id
+
+    def schedule(self, at: float, kind: str, payload: object) -> None:
+        self._seqno += 1
+        heapq.heappush(self._events, (at, self._seqno, kind, payload))
+
+    async def run(self) -> SimResult:
+        if self.planner is not None:
+            await self.planner.tick(0.0)
+            self.schedule(self.config.planner_interval_s, "plan", None)
+        await self._start_together()
+        for inst in self.instances:
+            self.schedule(0.0, "step", inst)
+        while self._events and (self.window is None or self.to_completion):
+            if self._events[0][0] >= self.warmup_s and self.warm is None:
+                self.warm = (self.output_tokens, self.warmup_s)
+            if self._events[0][0] >= self.horizon_s and self.window is None:
+                self.window = (self.output_tokens, self.horizon_s)
+                break
+            self.now, _, kind, payload = heapq.heappop(self._events)
+            self.events += 1
+            if kind == "step":
+                await self._step(payload)
+            elif kind == "plan" and self._busy():
+                await self.planner.tick(self.now)
+                self.schedule(self.now + self.config.planner_interval_s, "plan", None)
+            elif kind == "migrated":
+                self.planner.finish(payload)
+        moved = self.planner.stats if self.planner is not None else (0, 0)
+        end_tokens, end_s = self.window or (self.output_tokens, self.makespan)
+        start_tokens, start_s = self.warm if self.warm is not None and self.warm[1] < end_s else (0, 0.0)
+        window_tokens, window_s = end_tokens - start_tokens, end_s - start_s
+        makespan = self.makespan if self.to_completion else window_s
+        return SimResult(
+            window_tokens,
+            window_s,
+            self.output_tokens,
+            makespan,
+            self.served,
+            self.refused,
+            self.longest,
+            *moved,
+            self.events,
+        )
+
+    async def _start_together(self) -> None:
+        """At time 0 the instances admit one request each in turn, as if they started at once (else the
+        first would fill the pool before the others start)."""
+        cap, progress = self.config.max_num_seqs, True
+        while progress:
+            progress = False
+            for inst in self.instances:
+                before = len(inst.running) + self.refused
+                await self._admit(inst, limit=min(len(inst.running) + 1, cap))
+                progress |= len(inst.running) + self.refused > before
+
+    def _busy(self) -> bool:
+        return any(i.queue or i.running for i in self.instances)
+
+    # ---- admission ---------------------------------------------------------------------------------
+    async def _admit(self, inst: Instance, limit: int | None = None) -> None:
+        """Admit the queue's head while it can be placed (FCFS: a head that does not fit now blocks), up to
+        ``limit`` running sequences (default ``max_num_seqs``)."""
+        limit = self.config.max_num_seqs if limit is None else limit
+        while inst.queue and len(inst.running) < limit:
+            req = inst.queue[0]
+            n_blocks = math.ceil(req.context_tokens / self.config.block_size)
+            if n_blocks > self._reachable_capacity(inst):
+                self._dequeue(inst)
+                self.refused += 1
+                continue
+            blocks = await self._place(inst, req.req_id, n_blocks)
+            if blocks is None:
+                return
+            self._dequeue(inst)
+            seq = SimSeq(req, inst.index, blocks)
+            inst.running.append(seq)
+            self.seqs[seq.seq_id] = seq
+
+    def _dequeue(self, inst: Instance) -> None:
+        inst.queue.popleft()
+        if not inst.queue and self.window is None:
+            self.window = (self.output_tokens, self.now)
+
+    def _reachable_capacity(self, inst: Instance) -> int:
+        if self.config.mode == "static":
+            return self.servers.capacity[inst.home]
+        return sum(self.servers.capacity.values())
+
+    async def _place(self, inst: Instance, seq_id: str, n_blocks: int) -> dict[str, int] | None:
+        """Reserve and commit ``n_blocks`` through the real placement; ``None`` if they do not fit now."""
+        lenders = () if self.config.mode == "static" else inst.lenders
+        try:
+            held = await reserve_placement(
+                self.servers, self.view, seq_id, n_blocks, inst.home, homes=(inst.home,), lenders=lenders
+            )
+        except CapacityExhausted:
+            return None
+        blocks: dict[str, int] = {}
+        for h in held:
+            await self.servers.commit(h.server_id, h.reservation.reservation_id, list(range(h.n_blocks)))
+            blocks[h.server_id] = blocks.get(h.server_id, 0) + h.n_blocks
+        return blocks
+
+    # ---- steps -------------------------------------------------------------------------------------
+    async def _step(self, inst: Instance) -> None:
+        await self._admit(inst)
+        if not inst.running:
+            if inst.queue:  # the head waits for memory to free elsewhere
+                self.schedule(self.now + self.config.tick_s, "step", inst)
+            return
+        if any(s.prefilling for s in inst.running):
+            duration, steps = self._prefill_step(inst), 1
+        else:
+            batch, resident = len(inst.running), self.kv.on[inst.home]
+            duration, steps = self._decode_steps(inst)
+            inst.samples.append(StepSample(batch, resident, duration / steps))  # what the planner fits
+        inst.last_step_s = duration / steps
+        await self._retire(inst, self.now + duration)
+        self.schedule(self.now + duration, "step", inst)
+
+    def _attention_s(self, inst: Instance, batch: int, growth_home: float, growth_away: float) -> float:
+        """Decode attention of a step: the home's KV (every owner's) on this instance's accelerators, in
+        parallel with the partials of this instance's KV on other servers (plus their round trips)."""
+        cost = self.config.cost
+        local = cost.decode_attn_s(self.kv.on[inst.home] + growth_home, batch)
+        away = self.kv.away[inst.index]
+        if not away:
+            return local
+        remote = cost.decode_attn_s(max(away.values()) + growth_away, 1) + cost.remote_wait_s(batch)
+        return max(local, remote)
+
+    def _decode_steps(self, inst: Instance) -> tuple[float, int]:
+        """Take ``k`` decode steps of the stable batch at once: until a sequence finishes or ``tick_s``.
+        The KV grows by one token per sequence per step, so the mean step is the step at the midpoint."""
+        cost, batch = self.config.cost, len(inst.running)
+        grow_home = sum(s.fraction(inst.home) for s in inst.running)
+        grow_away = batch - grow_home
+        first = cost.dense_s(batch, batch) + self._attention_s(inst, batch, 0.0, 0.0)
+        left = min(s.req.output_tokens - s.generated for s in inst.running)
+        k = max(1, min(left, int(self.config.tick_s / first)))
+        mid = (k - 1) / 2
+        mean = cost.dense_s(batch, batch) + self._attention_s(inst, batch, grow_home * mid, grow_away * mid)
+        for s in inst.running:
+            s.generated += k
+            s.computed += k
+            self.kv.add(s, k)
+        self.output_tokens += k * batch
+        return k * mean, k
+
+    def _prefill_step(self, inst: Instance) -> float:
+        """One step: every decoding sequence's next token, and prefill chunks (FCFS) in the token budget."""
+        cost = self.config.cost
+        decoding = [s for s in inst.running if not s.prefilling]
+        budget = self.config.max_num_batched_tokens - len(decoding)
+        prefill_s, chunks = 0.0, 0
+        for s in inst.running:
+            if not s.prefilling or budget <= 0:
+                continue
+            chunk = min(budget, s.req.prompt_tokens - s.computed)
+            widest = max(s.blocks.values()) / s.num_blocks  # holders attend in parallel: the widest share waits
+            prefill_s += cost.prefill_attn_s(chunk * (s.computed + chunk / 2) * widest)
+            budget -= chunk
+            chunks += chunk
+            s.computed += chunk
+            self.kv.add(s, chunk)
+            if not s.prefilling:
+                s.generated = 1  # the last chunk's logits give the first token
+                self.output_tokens += 1
+        step = cost.dense_s(len(inst.running), len(decoding) + chunks) + prefill_s
+        if decoding:
+            step += self._attention_s(inst, len(decoding), 0.0, 0.0)
+        for s in decoding:
+            s.generated += 1
+            s.computed += 1
+            self.kv.add(s, 1)
+        self.output_tokens += len(decoding)
+        return step
+
+    async def _retire(self, inst: Instance, end: float) -> None:
+        """Free the rBlocks of finished sequences (the real servers' free, the view's give_back)."""
+        done = [s for s in inst.running if s.generated >= s.req.output_tokens]
+        if not done:
+            return
+        inst.running = [s for s in inst.running if s.generated < s.req.output_tokens]
+        for s in done:
+            self.kv.add(s, -s.computed)
+            for server_id in s.blocks:
+                self.view.give_back(server_id, await self.servers.free(server_id, s.seq_id))
+            s.blocks = {}
+            del self.seqs[s.seq_id]
+            self.served += 1
+            self.longest = max(self.longest, s.req.context_tokens)
+        self.makespan = max(self.makespan, end)
