@@ -9,11 +9,13 @@ import asyncio
 import pytest
 
 from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.services.manager import GlobalManager, ManagerConfig
+from infinite_llm.services.manager.autoscale import DrainGuard
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad
 from infinite_llm.services.manager.migrations import MigrationResult
 from infinite_llm.services.manager.planner import Move, plan
 
-from .helpers import make_servers, pool_state, running_manager
+from .helpers import LAYOUT, make_servers, open_store, pool_state, running_manager
 
 
 async def _two_instances(m) -> None:
@@ -128,5 +130,37 @@ def test_planner_tick_orders_the_debtors_best_move(etcd_server, etcd_prefix):
                 "a1", "a", "b", expected[0].n_blocks,
             )  # fmt: skip
             assert await m.rebalancer.tick() == 0  # the move in flight counts as done: c0 is no debtor now
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_server_is_emptied_by_migration_orders(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 4, "b": 8, "c": 8})
+        guard = DrainGuard(servers)  # the manager's BlockServers when autoscaling is on, as serve() wires it
+        async with open_store(etcd_server, etcd_prefix) as store:
+            m = GlobalManager(store, guard, ManagerConfig("m1", block_size=LAYOUT.block_size))
+            await m.start(acquire_timeout_s=10)
+            try:
+                for sid, rm in servers.rmanagers.items():
+                    await m.register(sid, f"{sid}.local:50051", rm.pool.num_blocks, LAYOUT.block_size)
+                await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
+                await m.place("s1", 4, owner="c0")
+                await m.place("s1", 3, owner="c0", first_index=4)  # a full: 3 on b (nobody's home, most free)
+                guard.set_draining(frozenset({"b"}))
+                assert await m.rebalancer.tick() == 1
+                (order,) = m.migrations.take_orders("c0")
+                assert (order.src, order.dst, len(order.reservation_ids)) == ("b", "c", 3)
+                assert guard.in_flight("c") == 3
+                assert (await m.cluster_state()).ledger == {"s1": [("a", 4), ("b", 0), ("c", 3)]}
+                # The compute instance moved all 3; settling drops b from the ledger and the guard's count.
+                for i, rid in enumerate(order.reservation_ids):
+                    servers.rmanagers["c"].commit(rid, [4 + i])
+                servers.rmanagers["b"].free_blocks("s1", [4, 5, 6])
+                await m.migrations.settle(MigrationResult(order.migration_id, "s1", "b", "c", 3, 3))
+                assert (await m.cluster_state()).ledger == {"s1": [("a", 4), ("c", 3)]}
+                assert guard.in_flight("c") == 0 and servers.rmanagers["b"].pool.num_free == 8
+            finally:
+                await m.stop()
 
     asyncio.run(scenario())

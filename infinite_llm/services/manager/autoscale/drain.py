@@ -7,9 +7,9 @@ guard also counts reservations in flight per server (reserved, not yet committed
 placement that reserved before the drain began is written to the ledger only afterwards.
 
 What "drained" means here: the ledger places no rBlock on the server and no reservation is in flight on
-it. rBlocks are not migrated away: sequences finish (or are aborted) and release them, and new ones go
-elsewhere. That is slower than moving the KV with ExportBlocks/ImportBlocks, but it never changes a
-compute instance's block table under it.
+it. The manager's planner (:mod:`..rebalance`) reads :attr:`DrainGuard.draining` and migrates the rBlocks
+of running sequences away (their compute instances flip their block tables between steps); sequences that
+finish release theirs meanwhile, and new ones go elsewhere.
 """
 
 from __future__ import annotations
