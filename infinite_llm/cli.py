@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from infinite_llm.cli_tls import Insecure, TlsDir, setup_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound
 
@@ -63,6 +64,11 @@ def generate(
         bool, typer.Option(help="On CUDA, run decode eagerly instead of replaying CUDA graphs (debugging).")
     ] = False,
     router: Annotated[str | None, typer.Option(help="Send the request through the mesh's router at HOST:PORT.")] = None,
+    tls_dir: TlsDir = None,
+    insecure: Insecure = False,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="INFINITE_LLM_API_KEY", help="With --router: the router's API key.")
+    ] = None,
 ) -> None:
     """Generate text (single-process engine, or the mesh with --router) and stream it to stdout."""
     from infinite_llm.core.sampling import SamplingParams
@@ -74,7 +80,8 @@ def generate(
     if router is not None:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()))
         SamplingParams(max_tokens=max_tokens, **sampling)  # same validation and messages as locally
-        _generate_via_router(router, text, chat, model, max_tokens, sampling)
+        setup_tls("client", tls_dir, insecure)
+        _generate_via_router(router, text, chat, model, max_tokens, sampling, api_key)
         return
     from infinite_llm.cli_mesh import device_option, torch_dtype
 
@@ -111,7 +118,7 @@ def generate(
 
 
 def _generate_via_router(
-    router: str, text: str, chat: bool, model: str | None, max_tokens: int, sampling: dict
+    router: str, text: str, chat: bool, model: str | None, max_tokens: int, sampling: dict, api_key: str | None = None
 ) -> None:
     """Stream through the router; a chat prompt is templated and tokenized here, as the local path does."""
     from infinite_llm.client import Client
@@ -124,7 +131,7 @@ def _generate_via_router(
         templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         prompt = tokenizer.encode(templated, add_special_tokens=False)
     start, last = time.perf_counter(), None
-    with Client(router) as client:
+    with Client(router, api_key=api_key) as client:
         for chunk in client.stream(prompt, max_tokens=max_tokens, **sampling):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()

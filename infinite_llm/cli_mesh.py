@@ -16,7 +16,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from infinite_llm.cli_tls import Insecure, TlsDir, setup_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
+from infinite_llm.core.errors import Unavailable
 
 err = Console(stderr=True, soft_wrap=True)
 serve_app = typer.Typer(no_args_is_help=True, help="Run one service of the mesh.")
@@ -118,6 +120,8 @@ def serve_attention(
     metrics_port: MetricsPort = 0,
     transport: Transport = "grpc",
     node_name: NodeName = "",
+    tls_dir: TlsDir = None,
+    insecure: Insecure = False,
 ) -> None:
     """Attention server: holds rBlocks in --kv-memory and computes partial attention over them."""
     from infinite_llm.models.registry import load_model_config, resolve_model
@@ -138,6 +142,7 @@ def serve_attention(
         metrics_port=metrics_port,
         node_name=split_ids([node_name], "--node-name")[0] if node_name else "",
     )
+    setup_tls("attention", tls_dir, insecure)
     sys.exit(main(config))
 
 
@@ -192,6 +197,8 @@ def serve_manager(
         float, typer.Option(help="Seconds between two looks at the pool.", rich_help_panel="Elastic attention pool")
     ] = 5.0,
     metrics_port: MetricsPort = 0,
+    tls_dir: TlsDir = None,
+    insecure: Insecure = False,
 ) -> None:
     """Global manager: membership, capacity view and rBlock placement ledger in etcd."""
     from infinite_llm.services.manager.autoscale import AutoscaleSettings, ScalingConfig
@@ -222,6 +229,7 @@ def serve_manager(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    setup_tls("manager", tls_dir, insecure)
     asyncio.run(serve(config))
 
 
@@ -257,6 +265,8 @@ def serve_compute(
         int,
         typer.Option(help="KV tokens a live migration moves between two decode steps (0: run no migrations)."),
     ] = 16,
+    tls_dir: TlsDir = None,
+    insecure: Insecure = False,
 ) -> None:
     """Compute instance: dense layers + scheduler; attention on the attention servers. Registers with the
     manager (routers discover it there) with its homes: --home servers and those registered with --node-name."""
@@ -286,6 +296,7 @@ def serve_compute(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    setup_tls("compute", tls_dir, insecure)
     asyncio.run(serve(config))
 
 
@@ -305,6 +316,17 @@ def serve_router(
     port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
     model: Model = None,
     metrics_port: MetricsPort = 0,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="INFINITE_LLM_API_KEY",
+            help="Require metadata 'authorization: Bearer <key>' with one of these keys (repeatable; "
+            "default: none). The gateway is exempt: it checks its own callers' keys.",
+            rich_help_panel="Security",
+        ),
+    ] = None,
+    tls_dir: TlsDir = None,
+    insecure: Insecure = False,
 ) -> None:
     """Router: the public gRPC API (Generate, GenerateStream, Abort, ListModels, Tokenize). Needs --manager
     (compute instances discovered, followed as they come and go) or --compute, or both."""
@@ -319,9 +341,11 @@ def serve_router(
             metrics_port=metrics_port,
             manager_address=manager,
             discovery_interval_s=discovery_interval,
+            api_keys=tuple(api_key or ()),
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    setup_tls("router", tls_dir, insecure)
     asyncio.run(serve(config))
 
 
@@ -345,6 +369,15 @@ def serve_gateway(
             "Default: content is plain text."
         ),
     ] = False,
+    ssl_certfile: Annotated[
+        str | None,
+        typer.Option(help="Serve HTTPS with this certificate (PEM; default: HTTP).", rich_help_panel="Security"),
+    ] = None,
+    ssl_keyfile: Annotated[
+        str | None, typer.Option(help="The key of --ssl-certfile (PEM).", rich_help_panel="Security")
+    ] = None,
+    tls_dir: TlsDir = None,
+    insecure: Insecure = False,
 ) -> None:
     """OpenAI-compatible REST gateway: /v1/completions, /v1/chat/completions, /v1/models, /health."""
     from infinite_llm.services.gateway.server import GatewayConfig, serve
@@ -357,9 +390,12 @@ def serve_gateway(
             api_key=api_key,
             model=model,
             special_tokens_in_messages=special_tokens_in_messages,
+            ssl_certfile=ssl_certfile,
+            ssl_keyfile=ssl_keyfile,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    setup_tls("gateway", tls_dir, insecure)
     asyncio.run(serve(config))
 
 
@@ -373,8 +409,17 @@ def up(
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     gateway_port: Annotated[int, typer.Option(help="OpenAI-compatible REST gateway port (0 = any free one).")] = 8000,
     transport: Transport = "grpc",
+    tls_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="Use the certificates in this directory (every role's) instead of making a CA in the run directory.",
+            rich_help_panel="Security",
+        ),
+    ] = None,
+    insecure: Insecure = False,
 ) -> None:
-    """Start etcd, the manager, attention servers, compute instances, the router and the gateway on loopback."""
+    """Start etcd, the manager, attention servers, compute instances, the router and the gateway on loopback.
+    Every gRPC port uses mTLS with certificates of a CA made for this mesh (printed: --tls-dir for clients)."""
     from infinite_llm.mesh import LocalMesh, MeshConfig
 
     config = MeshConfig(
@@ -387,27 +432,33 @@ def up(
         block_size=block_size,
         gateway_port=gateway_port,
         transport=_transport(transport),
+        tls_dir=tls_dir,
+        insecure=insecure,
     )
+    if insecure:
+        setup_tls("client", None, insecure=True)  # says loudly that the mesh is plaintext
     mesh = LocalMesh(config)
     with err.status("starting the mesh (etcd, manager, servers, compute, router, gateway)...", spinner="dots"):
         mesh.start()
     try:
         _print_mesh(mesh)
         done = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # any: stop front to back
             signal.signal(sig, lambda *_: done.set())
         reported: set[str] = set()
         while not done.wait(1.0):
-            dead = [p for p in mesh.procs if not p.alive() and p.name not in reported]
-            for p in dead:
-                reported.add(p.name)
-                err.print(f"[yellow]{p.name} exited[/yellow] (log: {p.log_path})")
-            if any(p.role != "attention" for p in dead):
-                # The mesh survives losing attention servers (their sequences are recomputed elsewhere);
-                # without the manager, a compute instance, the router or the gateway it cannot serve.
-                err.print("[red]a service the mesh cannot run without exited[/red]")
+            try:
+                # As Kubernetes Deployments would: a crashed manager, compute instance, router or gateway is
+                # started again; the mesh survives losing attention servers (their sequences are recomputed).
+                for p in mesh.restart_crashed():
+                    err.print(f"[yellow]{p.name} exited; restarted[/yellow] (log: {p.log_path})")
+            except Unavailable as e:
+                err.print(f"[red]a service keeps crashing[/red]: {e}")
                 mesh.keep_logs = True
                 break
+            for p in [p for p in mesh.procs if not p.alive() and p.name not in reported]:
+                reported.add(p.name)
+                err.print(f"[yellow]{p.name} exited[/yellow] (log: {p.log_path})")
     finally:
         err.print("stopping the mesh...")
         mesh.stop()
@@ -429,15 +480,23 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
         f"router: {mesh.router_address}    manager: {mesh.manager_address}    "
         f"OpenAI API: http://{mesh.gateway_address}/v1    (Ctrl-C stops all)"
     )
+    if mesh.tls_dir is not None:
+        out = Console(soft_wrap=True)
+        out.print(f"mTLS on; clients: --tls-dir {mesh.tls_dir}   (or export INFINITE_LLM_TLS_DIR={mesh.tls_dir})")
+    else:
+        Console().print("[red]mTLS OFF (--insecure): every port is plaintext and unauthenticated[/red]")
 
 
 def status(
     manager: Annotated[str, typer.Option(help="Global manager HOST:PORT.")] = "127.0.0.1:50050",
+    tls_dir: TlsDir = None,
+    insecure: Insecure = False,
 ) -> None:
     """Print the cluster: servers with rBlocks used/free, and where each sequence's rBlocks are."""
     from infinite_llm.services.admin import cluster_state, render_status
 
-    render_status(cluster_state(manager), Console())
+    tls = setup_tls("client", tls_dir, insecure)
+    render_status(cluster_state(manager, tls=tls), Console())
 
 
 def _bench():  # noqa: ANN202
@@ -452,3 +511,6 @@ def register(app: typer.Typer) -> None:
     app.command("up")(up)
     app.command("status")(status)
     app.command("bench")(_bench())
+    from infinite_llm.cli_tls import tls_app
+
+    app.add_typer(tls_app, name="tls")

@@ -79,7 +79,7 @@ def ask(mesh: LocalMesh, ids: list[int], a: argparse.Namespace, prompt_tokens: i
     out.print(f"[bold]Q:[/bold] {a.question}\n[bold]A:[/bold] ", end="")
     start = time.perf_counter()
     first = last = None
-    with Client(mesh.router_address) as client:
+    with Client(mesh.router_address, tls=mesh.tls("client")) as client:
         for chunk in client.stream(ids, max_tokens=a.max_tokens, temperature=0):
             if first is None:
                 first = time.perf_counter()

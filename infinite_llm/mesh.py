@@ -8,6 +8,10 @@ every attention server and compute instance is registered with the manager. The 
 compute instances from the manager (``serve router --manager``), so instances started later with
 :meth:`LocalMesh.spawn_compute` take requests too. Homes: attention server ``attn-i`` is the home of compute
 instance ``compute-(i mod M)``. ``stop`` sends SIGTERM (graceful drain), then SIGKILL after a grace period.
+
+mTLS is on unless ``insecure``: ``start`` writes a cluster CA and one certificate per role into
+``<log_dir>/tls`` (or uses ``tls_dir``, default ``$INFINITE_LLM_TLS_DIR``, holding every role's files) and
+starts each service with ``--tls-dir``; :meth:`LocalMesh.tls` gives a role's identity to callers.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
+from infinite_llm.rpc.tls import TLS_DIR_ENV, TlsConfig, load_tls_dir
 from infinite_llm.state.etcd_launcher import EtcdProcess, free_port, start_etcd
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
+RESTARTED_ROLES = ("manager", "compute", "router", "gateway")  # Deployments in Kubernetes: restarted on a crash
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class MeshConfig:
     startup_timeout_s: float = 180.0
     gateway_port: int = 8000  # OpenAI-compatible REST gateway (HTTP); 0 = any free port
     discovery_interval_s: float = 1.0  # how often the router re-reads the manager's compute instances
+    tls_dir: str | None = field(default_factory=lambda: os.environ.get(TLS_DIR_ENV) or None)  # None: make a CA
+    insecure: bool = False  # plaintext gRPC everywhere (local experiments)
 
     def __post_init__(self) -> None:
         if self.attention_servers < 1 or self.compute_instances < 1:
@@ -84,6 +92,8 @@ class LocalMesh:
     procs: list[Proc] = field(default_factory=list)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="infinite-llm-mesh-")))
     keep_logs: bool = False  # keep log_dir (and etcd's data) after stop; set when something failed
+    tls_dir: Path | None = None  # the certificates every service uses (None: plaintext), set by start
+    _restarts: dict[str, int] = field(default_factory=dict)  # respawns by restart_crashed, per name
 
     @property
     def router_address(self) -> str:
@@ -97,6 +107,20 @@ class LocalMesh:
     @property
     def manager_address(self) -> str:
         return self._by_role("manager")[0].address
+
+    def tls(self, role: str) -> TlsConfig | None:
+        """The identity of ``role`` in this mesh (None when it runs plaintext)."""
+        return None if self.tls_dir is None else load_tls_dir(self.tls_dir, role)
+
+    def _setup_tls(self) -> None:
+        if self.config.insecure:
+            self.tls_dir = None
+        elif self.config.tls_dir:
+            self.tls_dir = Path(self.config.tls_dir)
+        else:
+            from infinite_llm.rpc.certs import write_tls_dir
+
+            self.tls_dir = write_tls_dir(self.log_dir / "tls")
 
     def _by_role(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
@@ -112,6 +136,7 @@ class LocalMesh:
         """Start everything in dependency order; raises ``Unavailable`` (after stopping all) on failure."""
         c = self.config
         try:
+            self._setup_tls()
             self.etcd = start_etcd(data_dir=self.log_dir / "etcd")
             manager_port = c.manager_port or free_port()
             self._spawn(
@@ -210,12 +235,40 @@ class LocalMesh:
             ],
         )
 
+    def respawn(self, proc: Proc) -> Proc:
+        """Run ``proc``'s command again (same name, port and flags; its log goes on) once it exited, as a
+        Kubernetes Deployment restarts a crashed pod. Returns ``proc``, now alive."""
+        if proc.alive():
+            raise ValueError(f"{proc.name} is still running")
+        with open(proc.log_path, "ab") as out:
+            proc.popen = subprocess.Popen(
+                proc.popen.args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(proc.role)
+            )
+        return proc
+
+    def restart_crashed(self, max_restarts: int = 5) -> list[Proc]:
+        """Respawn every manager, compute instance, router and gateway that exited; returns them. Attention
+        servers stay down (the mesh recomputes their sequences on the others).
+
+        Raises:
+            Unavailable: one of them exited more than ``max_restarts`` times (a crash loop).
+        """
+        restarted = []
+        for p in self.procs:
+            if p.role in RESTARTED_ROLES and not p.alive():
+                self._restarts[p.name] = self._restarts.get(p.name, 0) + 1
+                if self._restarts[p.name] > max_restarts:
+                    raise Unavailable(f"{p.name} exited {self._restarts[p.name]} times:\n{tail(p.log_path)}")
+                restarted.append(self.respawn(p))
+        return restarted
+
     def _model_args(self) -> list[str]:
         return ["--model", self.config.model] if self.config.model else []
 
     def _spawn(self, role: str, name: str, port: int, args: list[str]) -> Proc:
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "infinite_llm.cli", "serve", role, "--host", HOST, "--port", str(port), *args]
+        cmd += ["--insecure"] if self.tls_dir is None else ["--tls-dir", str(self.tls_dir)]
         if role == "compute":
             cmd += ["--instance-id", name]
         metrics_address = f"{HOST}:{port}"  # the gateway serves /metrics on its own HTTP port
@@ -223,20 +276,17 @@ class LocalMesh:
             metrics_port = free_port()
             cmd += ["--metrics-port", str(metrics_port)]
             metrics_address = f"{HOST}:{metrics_port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if role != "compute" and "OMP_NUM_THREADS" not in os.environ:
-            # One machine hosts the whole mesh: only the dense layers get every core; more torch threads than
-            # cores make OpenMP spin against each other.
-            env["OMP_NUM_THREADS"] = "1"
         with open(log_path, "wb") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            popen = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(role)
+            )
         proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address)
         self.procs.append(proc)
         return proc
 
     def _wait_healthy(self, procs: list[Proc], check: Callable[[str], bool] | None = None) -> None:
         """Wait until ``check`` (default: the gRPC health check) passes for each of ``procs``."""
-        check = check or health_check
+        check = check or (lambda address: health_check(address, tls=self.tls("client")))
         deadline = time.monotonic() + self.config.startup_timeout_s
         for p in procs:
             while not check(p.address):
@@ -253,7 +303,7 @@ class LocalMesh:
         from infinite_llm.services.admin import cluster_state
 
         deadline = time.monotonic() + timeout_s
-        while len(cluster_state(self.manager_address).servers) != n:
+        while len(cluster_state(self.manager_address, tls=self.tls("client")).servers) != n:
             if time.monotonic() > deadline:
                 raise Unavailable(f"manager does not list {n} attention servers after {timeout_s:.0f} s")
             time.sleep(0.2)
@@ -263,7 +313,7 @@ class LocalMesh:
         from infinite_llm.services.admin import cluster_state
 
         deadline = time.monotonic() + timeout_s
-        while len(cluster_state(self.manager_address).compute_instances) != n:
+        while len(cluster_state(self.manager_address, tls=self.tls("client")).compute_instances) != n:
             if time.monotonic() > deadline:
                 raise Unavailable(f"manager does not list {n} compute instances after {timeout_s:.0f} s")
             time.sleep(0.2)
@@ -297,9 +347,22 @@ class LocalMesh:
         self.stop()
 
 
-def health_check(address: str, timeout_s: float = 1.0) -> bool:
-    """True when ``address`` answers grpc.health.v1 with SERVING for the whole server."""
-    with grpc.insecure_channel(address) as channel:
+def _env(role: str) -> dict[str, str]:
+    """A service's environment: unbuffered logs; one OpenMP thread except for compute instances."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if role != "compute" and "OMP_NUM_THREADS" not in os.environ:
+        # One machine hosts the whole mesh: only the dense layers get every core; more torch threads than
+        # cores make OpenMP spin against each other.
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def health_check(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> bool:
+    """True when ``address`` answers grpc.health.v1 with SERVING for the whole server (over mTLS as
+    ``tls``'s identity; None: plaintext)."""
+    from infinite_llm.rpc.channels import sync_channel
+
+    with sync_channel(address, tls=tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:

@@ -68,8 +68,27 @@ def test_bad_input_exits_2_with_a_clear_message(args, message):
     assert proc.stdout == ""
 
 
-def test_an_unreachable_router_is_a_service_failure_exit_1():
-    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--max-tokens", "2")
+def test_an_unreachable_router_is_a_service_failure_exit_1(tmp_path):
+    from infinite_llm.rpc.certs import write_tls_dir
+
+    tls_dir = str(write_tls_dir(tmp_path))
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--max-tokens", "2", "--tls-dir", tls_dir)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:"), proc.stderr  # one line
     assert proc.stdout == ""
+
+
+def test_dialing_a_router_needs_tls_or_an_explicit_insecure(tmp_path, monkeypatch):
+    """mTLS is on by default: no --tls-dir is a usage error (exit 2) before anything is dialled; --insecure
+    says loudly that it is off."""
+    monkeypatch.delenv("INFINITE_LLM_TLS_DIR", raising=False)
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--max-tokens", "2")
+    assert proc.returncode == 2, proc.stderr
+    flat = " ".join(proc.stderr.replace("│", " ").split())
+    assert "mTLS is on by default: give --tls-dir DIR (or INFINITE_LLM_TLS_DIR)" in flat, proc.stderr
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--max-tokens", "2", "--insecure")
+    assert proc.returncode == 1, proc.stderr
+    assert "--insecure: mTLS is OFF" in proc.stderr
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--tls-dir", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot read ca.pem" in " ".join(proc.stderr.replace("│", " ").split())

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from infinite_llm.cli_tls import Insecure, TlsDir, setup_tls
+
 if TYPE_CHECKING:  # the command module loads with every `infinite-llm` call: gRPC and httpx only when it runs
     from collections.abc import Callable
 
@@ -144,6 +146,8 @@ def bench(
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of tables.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a live progress display on stderr.")] = True,
+    tls_dir: TlsDir = None,
+    insecure: Insecure = False,
 ) -> None:
     """Measure a running router or gateway, as `vllm bench serve` measures a server.
 
@@ -159,6 +163,8 @@ def bench(
         raise typer.BadParameter(str(e)) from None
     if dataset is not DatasetKind.synthetic and dataset_path is None:
         raise typer.BadParameter(f"--dataset {dataset.value} needs --dataset-path", param_hint="--dataset-path")
+    if backend is Backend.router:
+        setup_tls("client", tls_dir, insecure)
     the_target = _target(backend, target, model, api_key)
     settings = {
         "backend": backend.value,
@@ -188,7 +194,7 @@ def _target(backend: Backend, target: str | None, model: str | None, api_key: st
 
     address = target or DEFAULT_TARGETS[backend.value]
     if backend is Backend.router:
-        return RouterTarget(address, model)
+        return RouterTarget(address, model, api_key)
     return GatewayTarget(address, model, api_key)
 
 

@@ -67,14 +67,15 @@ class RouterTarget:
 
     name = "router"
 
-    def __init__(self, address: str, model: str | None = None) -> None:
+    def __init__(self, address: str, model: str | None = None, api_key: str | None = None) -> None:
         self.address = address.removeprefix("grpc://").rstrip("/")
         self.model = model
+        self.api_key = api_key
         self._client: AsyncClient | None = None
 
     @contextmanager
     def prompt_codec(self, sample_text: str) -> Iterator[PromptCodec]:
-        with Client(self.address) as client:
+        with Client(self.address, api_key=self.api_key) as client:
 
             def tokenize(text: str) -> list[int]:
                 try:
@@ -85,7 +86,7 @@ class RouterTarget:
             yield TokenCodec(tokenize)
 
     async def __aenter__(self) -> RouterTarget:
-        self._client = AsyncClient(self.address)
+        self._client = AsyncClient(self.address, api_key=self.api_key)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -1,8 +1,14 @@
 """Sync and asyncio clients of the Router (``infinite_llm.v1.Router``).
 
 Both take the same keyword arguments as :class:`infinite_llm.core.sampling.SamplingParams` (``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``) and a
-``timeout`` in seconds for the whole call. A prompt is text or a list of token ids.
+``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``,
+``prompt_logprobs``) and a ``timeout`` in seconds for the whole call. A prompt is text or a list of token ids.
+``logprobs=k`` returns each new token's log-probability with its ``k`` most likely alternatives;
+``prompt_logprobs=k`` the same for the prompt's tokens (``max_tokens=0`` then scores a prompt alone).
+
+Security: ``tls`` is a :class:`~infinite_llm.rpc.tls.TlsConfig`, a TLS directory (its ``client`` files), or
+by default the process's identity, else ``$INFINITE_LLM_TLS_DIR``, else plaintext; ``api_key`` travels as
+``authorization: Bearer <key>`` on every call (TLS only: a key is never sent in clear).
 """
 
 from __future__ import annotations
@@ -10,15 +16,18 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from infinite_llm.client.errors import InvalidRequest, MessageTooLarge, error_from_rpc
+from infinite_llm.core.logprobs import TokenLogprob
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.pb.v1 import router_pb2 as rpb
 from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
 from infinite_llm.rpc.options import MAX_MESSAGE_BYTES, channel_options
-from infinite_llm.services.generate_codec import sampling_to_proto
+from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, client_tls
+from infinite_llm.services.generate_codec import logprob_from_proto, sampling_to_proto
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -35,6 +44,8 @@ class CompletionChunk:
     completion_tokens: int = 0
     placement: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to token_ids (logprobs asked)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (first message)
 
 
 Completion = CompletionChunk  # a unary reply carries every token, the whole text and the usage
@@ -50,6 +61,8 @@ def _chunk(msg: gpb.GenerateResponse) -> CompletionChunk:
         completion_tokens=msg.usage.completion_tokens,
         placement={p.server_id: p.num_blocks for p in msg.placement},
         num_preemptions=msg.num_preemptions,
+        logprobs=[logprob_from_proto(lp) for lp in msg.logprobs],
+        prompt_logprobs=[logprob_from_proto(lp) for lp in msg.prompt_logprobs],
     )
 
 
@@ -79,11 +92,28 @@ def _request(prompt: str | list[int], request_id: str | None, model: str | None,
     return req
 
 
+def _credentials(tls: TlsArg | str | Path, api_key: str | None) -> tuple[grpc.ChannelCredentials | None, list]:
+    """Channel credentials (None: plaintext) and options for ``tls`` and ``api_key``."""
+    identity = client_tls(tls)
+    if identity is None:
+        if api_key:
+            raise InvalidRequest("an API key needs TLS (it would travel in clear): give tls", param="api_key")
+        return None, channel_options()
+    credentials = identity.channel_credentials()
+    if api_key:
+        credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(api_key))
+    return credentials, [*channel_options(), *identity.channel_options()]
+
+
 class Client:
     """Blocking client. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target, options=channel_options())
+    def __init__(self, target: str, *, tls: TlsArg | str | Path = FROM_PROCESS, api_key: str | None = None) -> None:
+        credentials, options = _credentials(tls, api_key)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = rgrpc.RouterStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -159,8 +189,12 @@ class Client:
 class AsyncClient:
     """asyncio client (``grpc.aio``); same methods as :class:`Client`, awaitable."""
 
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+    def __init__(self, target: str, *, tls: TlsArg | str | Path = FROM_PROCESS, api_key: str | None = None) -> None:
+        credentials, options = _credentials(tls, api_key)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
         self._stub = rgrpc.RouterStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

@@ -121,6 +121,26 @@ class FailedPrecondition(InfiniteLLMError):
     reason = "FAILED_PRECONDITION"
 
 
+class PermissionDenied(InfiniteLLMError):
+    """The caller is authenticated but may not make this call (its certificate's role, or the resource
+    belongs to another identity)."""
+
+    grpc_code = "PERMISSION_DENIED"
+    http_status = 403
+    openai_type = "permission_error"
+    reason = "PERMISSION_DENIED"
+
+
+class Unauthenticated(InfiniteLLMError):
+    """The call carries no valid credentials (no or a wrong API key)."""
+
+    grpc_code = "UNAUTHENTICATED"
+    http_status = 401
+    openai_type = "authentication_error"
+    openai_code = "invalid_api_key"
+    reason = "UNAUTHENTICATED"
+
+
 class Unavailable(InfiniteLLMError):
     """A needed peer (server, manager, instance) is not reachable."""
 

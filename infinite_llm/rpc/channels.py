@@ -1,7 +1,8 @@
 """Client channels with the server's options, and deadlines that shrink as a request travels.
 
 Every call has a deadline (DESIGN.md §4). :func:`aio_channel` gives calls without one the default and
-forwards the current request id; :class:`Deadline` carries one absolute deadline across several calls
+forwards the current request id; both use TLS with the process's identity (``rpc/tls.py``) unless given
+``tls`` (``None``: plaintext). :class:`Deadline` carries one absolute deadline across several calls
 (``timeout=deadline.remaining()``), e.g. from an incoming call's context to the calls it makes.
 """
 
@@ -16,6 +17,7 @@ import grpc
 from infinite_llm.core.errors import DeadlineExceeded
 from infinite_llm.rpc.interceptors import DefaultDeadlineInterceptor, RequestIdClientInterceptor
 from infinite_llm.rpc.options import DEFAULT_TIMEOUT_S, channel_options
+from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, resolve
 
 
 def aio_channel(
@@ -24,18 +26,29 @@ def aio_channel(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     extra_options: Sequence[tuple[str, int | str]] = (),
+    tls: TlsArg = FROM_PROCESS,
 ) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``target`` (``host:port``) with the shared options.
+    """A ``grpc.aio`` channel to ``target`` (``host:port``) with the shared options: mTLS with ``tls``
+    (default: the process's identity; ``None``: plaintext).
 
     Calls without a ``timeout`` get ``timeout_s`` seconds; calls carry the current request id.
     """
     chain = [RequestIdClientInterceptor(), DefaultDeadlineInterceptor(timeout_s), *interceptors]
-    return grpc.aio.insecure_channel(target, options=[*channel_options(), *extra_options], interceptors=chain)
+    identity = resolve(tls)
+    if identity is None:
+        return grpc.aio.insecure_channel(target, options=[*channel_options(), *extra_options], interceptors=chain)
+    options = [*channel_options(), *identity.channel_options(), *extra_options]
+    return grpc.aio.secure_channel(target, identity.channel_credentials(), options=options, interceptors=chain)
 
 
-def sync_channel(target: str) -> grpc.Channel:
-    """A blocking channel with the shared options (tools, tests); pass ``timeout=`` on each call."""
-    return grpc.insecure_channel(target, options=channel_options())
+def sync_channel(target: str, tls: TlsArg = FROM_PROCESS) -> grpc.Channel:
+    """A blocking channel with the shared options (tools, tests); pass ``timeout=`` on each call.
+    ``tls``: as for :func:`aio_channel`."""
+    identity = resolve(tls)
+    if identity is None:
+        return grpc.insecure_channel(target, options=channel_options())
+    options = [*channel_options(), *identity.channel_options()]
+    return grpc.secure_channel(target, identity.channel_credentials(), options=options)
 
 
 @dataclass(frozen=True)

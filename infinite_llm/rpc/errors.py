@@ -28,6 +28,8 @@ from infinite_llm.core.errors import (
     InvalidRequest,
     MessageTooLarge,
     NotFound,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
     error_class,
 )
@@ -45,6 +47,8 @@ _BY_CODE: dict[grpc.StatusCode, type[InfiniteLLMError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 

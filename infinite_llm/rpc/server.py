@@ -3,7 +3,9 @@
 Every service process starts its servicers through :func:`start_server`, so each one answers the
 standard ``grpc.health.v1.Health`` (SERVING for ``""`` and every service; NOT_SERVING once stopping, which
 Kubernetes' gRPC probes read) and server reflection (``grpcurl list``), and runs the request-id and
-error-mapping interceptors (``rpc/interceptors/``) in that order.
+error-mapping interceptors (``rpc/interceptors/``) in that order. With TLS (the process's identity unless
+``tls`` says otherwise, ``rpc/tls.py``) the port demands a client certificate from the cluster CA and the
+role interceptor admits only the roles of ``rpc/access.py``; ``tls=None`` serves plaintext.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from grpc_reflection.v1alpha import reflection
 
 from infinite_llm.core.errors import Unavailable
 from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
+from infinite_llm.rpc.interceptors.roles import RoleInterceptor
 from infinite_llm.rpc.options import DEFAULT_GRACE_S, server_options
+from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, TlsConfig, resolve
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +66,31 @@ async def start_server(
     address: str = "127.0.0.1:0",
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+    tls: TlsArg = FROM_PROCESS,
 ) -> RpcServer:
-    """Build, bind (``host:port``; port 0 picks a free one) and start a server for ``services``.
+    """Build, bind (``host:port``; port 0 picks a free one) and start a server for ``services``, with mTLS
+    and role checks when ``tls`` (default: the process's identity) is set.
 
     Raises:
         Unavailable: the address cannot be bound.
     """
+    identity = resolve(tls)
     if interceptors is None:
         interceptors = [RequestIdInterceptor(), ErrorMappingInterceptor()]
+    if identity is not None:
+        interceptors = [*interceptors, RoleInterceptor()]
     server = grpc.aio.server(interceptors=list(interceptors), options=server_options())
     for service in services:
         service.register(server)
     health = _add_health(server)
     names = (*(s.name for s in services), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
     reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
-    port = _bind(server, address)
+    port = _bind(server, address, identity)
     await server.start()
     for name in ("", *(s.name for s in services)):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s (port %d)", ", ".join(s.name for s in services), address, port)
+    security = f"mTLS as {identity.role}" if identity is not None else "plaintext"
+    log.info("serving %s on %s (port %d, %s)", ", ".join(s.name for s in services), address, port, security)
     return RpcServer(server, health, port, names)
 
 
@@ -90,9 +100,12 @@ def _add_health(server: grpc.aio.Server) -> health_aio.HealthServicer:
     return health
 
 
-def _bind(server: grpc.aio.Server, address: str) -> int:
+def _bind(server: grpc.aio.Server, address: str, tls: TlsConfig | None) -> int:
     try:
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.server_credentials())
     except RuntimeError as e:
         raise Unavailable(f"cannot bind {address}: {e}") from e
     if port == 0:

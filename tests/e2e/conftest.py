@@ -2,10 +2,15 @@
 
 Every attention server holds only ``BLOCKS_PER_SERVER`` rBlocks, so any prompt longer than
 ``BLOCKS_PER_SERVER * 16`` tokens must spread its KV over several servers.
+
+Every mesh runs mTLS, as ``infinite-llm up`` does: one cluster CA for the session (``INFINITE_LLM_TLS_DIR``,
+which the meshes, the SDK and ``cluster_state`` read; the client role), and :func:`mesh_channel` dials a
+service directly with the role that may call it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
@@ -15,6 +20,9 @@ from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
+from infinite_llm.rpc.certs import write_tls_dir
+from infinite_llm.rpc.channels import sync_channel
+from infinite_llm.rpc.tls import TLS_DIR_ENV, load_tls_dir
 
 BLOCK_SIZE = 16
 BLOCKS_PER_SERVER = 8
@@ -37,6 +45,26 @@ def mesh_config(**overrides) -> MeshConfig:
     return MeshConfig(**{**fields, **overrides})
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cluster_tls_dir(tmp_path_factory):
+    """The session's cluster CA and certificates, named by ``INFINITE_LLM_TLS_DIR`` while e2e tests run."""
+    directory = write_tls_dir(tmp_path_factory.mktemp("cluster-tls"))
+    before = os.environ.get(TLS_DIR_ENV)
+    os.environ[TLS_DIR_ENV] = str(directory)
+    yield directory
+    if before is None:
+        os.environ.pop(TLS_DIR_ENV, None)
+    else:
+        os.environ[TLS_DIR_ENV] = before
+
+
+def mesh_channel(address: str, role: str = "manager") -> grpc.Channel:
+    """A blocking channel to one service of a mesh, with ``role``'s certificate (the mesh's own, else the
+    session's)."""
+    directory = os.environ.get(TLS_DIR_ENV)
+    return sync_channel(address, tls=load_tls_dir(directory, role) if directory else None)
+
+
 @pytest.fixture(scope="session")
 def mesh(default_model_path):
     with LocalMesh(mesh_config()) as m:
@@ -50,7 +78,7 @@ def _free_port() -> int:
 
 
 def server_stats(address: str) -> apb.GetStatsResponse:
-    with grpc.insecure_channel(address) as ch:
+    with mesh_channel(address) as ch:
         return agrpc.AttentionServerStub(ch).GetStats(apb.GetStatsRequest(), timeout=5)
 
 

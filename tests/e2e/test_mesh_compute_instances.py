@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import time
 
-import grpc
-
 from infinite_llm.client import Client
 from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.services.admin import cluster_state
-from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, wait_until
+from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, mesh_channel, wait_until
 
 LEASE_S = 3  # the e2e mesh's member TTL
 
@@ -24,7 +22,7 @@ def _listed(mesh) -> dict[str, str]:
 
 
 def _generated(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
+    with mesh_channel(address, "router") as ch:
         return cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=5).generated_tokens
 
 
@@ -100,7 +98,7 @@ def test_status_shows_each_instance_with_homes_batch_queue_tokens_held_and_debt(
         token_ids=gpb.TokenIds(ids=prompt),
         sampling=gpb.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
     )
-    with grpc.insecure_channel(homed.address) as ch:
+    with mesh_channel(homed.address, "router") as ch:
         call = cgrpc.ComputeInstanceStub(ch).Generate(request, timeout=300)
         try:
             next(call)  # prefilled: every prompt token has KV now

@@ -16,7 +16,7 @@ from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.pb.v1 import tensor_pb2 as tpb
 from infinite_llm.services.admin import cluster_state
-from tests.e2e.conftest import server_stats
+from tests.e2e.conftest import mesh_channel, server_stats
 
 
 def _ids(mesh) -> set[str]:
@@ -83,7 +83,7 @@ def _code(fn, *args) -> grpc.StatusCode:
 
 def test_attention_server_rejects_malformed_tensors_and_unknown_sequences(mesh):
     address = mesh.attention_servers()[0].address
-    with grpc.insecure_channel(address) as ch:
+    with mesh_channel(address, "compute") as ch:
         stub = agrpc.AttentionServerStub(ch)
         opening = apb.AttendStreamRequest(
             open=apb.StepOpen(step_id=1, num_heads=9, seqs=[apb.StepSeq(seq_id="nope", num_new=1)])
@@ -106,7 +106,7 @@ def test_attention_server_rejects_malformed_tensors_and_unknown_sequences(mesh):
 
 
 def test_manager_rejects_bad_placements(mesh):
-    with grpc.insecure_channel(mesh.manager_address) as ch:
+    with mesh_channel(mesh.manager_address, "compute") as ch:
         stub = mgrpc.GlobalManagerStub(ch)
         assert _code(stub.Place, mpb.PlaceRequest(seq_id="s", num_blocks=0)) == grpc.StatusCode.INVALID_ARGUMENT
         assert _code(stub.Place, mpb.PlaceRequest(seq_id="s", num_blocks=10**6)) == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -115,7 +115,7 @@ def test_manager_rejects_bad_placements(mesh):
 
 
 def test_compute_instance_rejects_bad_requests(mesh):
-    with grpc.insecure_channel(mesh.compute_instances()[0].address) as ch:
+    with mesh_channel(mesh.compute_instances()[0].address, "router") as ch:
         stub = cgrpc.ComputeInstanceStub(ch)
         no_prompt = gpb.GenerateRequest(sampling=gpb.SamplingParams(max_tokens=3))
         with pytest.raises(grpc.RpcError) as e:

@@ -21,7 +21,7 @@ from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.errors import ERROR_PARAM_KEY, ERROR_REASON_KEY
 from infinite_llm.rpc.options import MAX_MESSAGE_BYTES
 from infinite_llm.services.admin import cluster_state
-from tests.e2e.conftest import all_blocks_free, wait_until
+from tests.e2e.conftest import all_blocks_free, mesh_channel, wait_until
 
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
 BAD_IDS = {"slash": "tenant/req-1", "2MB": "r" * 2_000_000, "newline": "req\n1", "space": "req 1"}
@@ -48,7 +48,8 @@ def _refusal(call) -> grpc.RpcError:  # noqa: ANN001
 
 def _call_raw(address: str, method: str, kind: str, payload: bytes) -> None:
     """Send ``payload`` as the request bytes of ``method`` (``kind``: ``unary_unary``...), read every reply."""
-    with grpc.insecure_channel(address) as ch:
+    caller = {"AttentionServer": "compute", "GlobalManager": "compute", "ComputeInstance": "router"}
+    with mesh_channel(address, caller[method.split("/")[1].split(".")[-1]]) as ch:
         call = getattr(ch, kind)(method)
         replies = call(iter([payload]) if kind.startswith("stream") else payload, timeout=10)
         if kind.endswith("stream"):
@@ -56,7 +57,7 @@ def _call_raw(address: str, method: str, kind: str, payload: bytes) -> None:
 
 
 def _serving(address: str, service: str) -> bool:
-    with grpc.insecure_channel(address) as ch:
+    with mesh_channel(address, "client") as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -81,7 +82,7 @@ def test_bad_request_ids_fail_alone_while_other_requests_stream_on(mesh, undistu
             with pytest.raises(InvalidRequest) as e:
                 c.generate("hello", request_id=bad, max_tokens=4)
             assert type(e.value) is InvalidRequest and e.value.param == "request_id"
-    with grpc.insecure_channel(mesh.compute_instances()[0].address) as ch:  # and so does a compute instance
+    with mesh_channel(mesh.compute_instances()[0].address, "router") as ch:  # and so does a compute instance
         stub = cgrpc.ComputeInstanceStub(ch)
         for bad in BAD_IDS.values():
             request = gpb.GenerateRequest(request_id=bad, text="hello", sampling=gpb.SamplingParams(max_tokens=4))
@@ -98,7 +99,7 @@ def test_bad_request_ids_fail_alone_while_other_requests_stream_on(mesh, undistu
 
 
 def test_the_manager_refuses_bad_sequence_ids_without_reaching_etcd(mesh):
-    with grpc.insecure_channel(mesh.manager_address) as ch:
+    with mesh_channel(mesh.manager_address, "compute") as ch:
         stub = mgrpc.GlobalManagerStub(ch)
         for bad in BAD_IDS.values():
             e = _refusal(lambda b=bad: stub.Place(mpb.PlaceRequest(seq_id=b, num_blocks=1, block_size=16), timeout=10))
@@ -124,7 +125,7 @@ def test_bytes_that_are_no_request_message_are_invalid_argument_on_every_service
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.code(), e.details())
     with Client(mesh.router_address) as c:
         assert c.generate("hello", max_tokens=2, temperature=0).finish_reason == "length"
-    with grpc.insecure_channel(mesh.attention_servers()[0].address) as ch:
+    with mesh_channel(mesh.attention_servers()[0].address, "manager") as ch:
         assert (
             ch.unary_unary(
                 "/infinite_llm.v1.AttentionServer/GetStats",

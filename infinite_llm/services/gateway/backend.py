@@ -22,6 +22,7 @@ from infinite_llm.pb.v1 import router_pb2 as rpb
 from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
 from infinite_llm.rpc.errors import error_from_rpc
 from infinite_llm.rpc.options import channel_options
+from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, client_tls
 
 CARDS_TTL_S = 30.0  # the served model never changes under a running router; refresh now and then anyway
 T = TypeVar("T")
@@ -35,10 +36,12 @@ class ServedModel:
 
 
 class RouterBackend:
-    """Generation and model metadata through the router at ``router_address`` (HOST:PORT)."""
+    """Generation and model metadata through the router at ``router_address`` (HOST:PORT), as the
+    ``gateway`` role (``tls``: see :func:`~infinite_llm.rpc.tls.client_tls`; default the process's identity)."""
 
-    def __init__(self, router_address: str, tokenizer) -> None:  # noqa: ANN001
+    def __init__(self, router_address: str, tokenizer, tls: TlsArg = FROM_PROCESS) -> None:  # noqa: ANN001
         self.router_address = router_address
+        self.tls = client_tls(tls, role="gateway")
         self.tokenizer = tokenizer
         self._client: AsyncClient | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -46,8 +49,12 @@ class RouterBackend:
 
     def _connect(self) -> tuple[AsyncClient, rgrpc.RouterStub]:
         if self._client is None:
-            self._client = AsyncClient(self.router_address)
-            self._channel = grpc.aio.insecure_channel(self.router_address, options=channel_options())
+            self._client = AsyncClient(self.router_address, tls=self.tls)
+            if self.tls is None:
+                self._channel = grpc.aio.insecure_channel(self.router_address, options=channel_options())
+            else:
+                options = [*channel_options(), *self.tls.channel_options()]
+                self._channel = grpc.aio.secure_channel(self.router_address, self.tls.channel_credentials(), options)
         return self._client, rgrpc.RouterStub(self._channel)
 
     async def close(self) -> None:

@@ -37,8 +37,12 @@ class GatewayConfig:
     api_key: str | None = None
     model: str | None = None
     special_tokens_in_messages: bool = False
+    ssl_certfile: str | None = None  # serve HTTPS with this certificate and key (PEM); None: HTTP
+    ssl_keyfile: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("give both --ssl-certfile and --ssl-keyfile for HTTPS, or neither")
         host, _, port = self.router.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--router must be HOST:PORT, got {self.router!r}")
@@ -79,10 +83,13 @@ async def serve(config: GatewayConfig) -> None:
             lifespan="on",
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             log_level="info",
+            ssl_certfile=config.ssl_certfile,
+            ssl_keyfile=config.ssl_keyfile,
         )
     )
     log.info(
-        "gateway on http://%s:%d -> router %s (API key %s)",
+        "gateway on %s://%s:%d -> router %s (API key %s)",
+        "https" if config.ssl_certfile else "http",
         config.host,
         config.port,
         config.router,

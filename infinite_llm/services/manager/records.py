@@ -35,7 +35,9 @@ InfoT = TypeVar("InfoT")
 @dataclass(frozen=True)
 class MemberInfo:
     """A registered server. ``capacity_blocks`` rBlocks of ``block_size`` tokens; ``kind`` e.g. "attention";
-    ``node_name`` the machine it runs on ('' = not told), which makes it a home of compute instances there."""
+    ``node_name`` the machine it runs on ('' = not told), which makes it a home of compute instances there;
+    ``identity`` the subject of the certificate it registered with ('' = plaintext), whom its id belongs to
+    while its lease lives."""
 
     server_id: str
     address: str
@@ -43,6 +45,7 @@ class MemberInfo:
     block_size: int
     kind: str = "attention"
     node_name: str = ""
+    identity: str = ""
 
     def __post_init__(self) -> None:
         check_id("server_id", self.server_id)
@@ -58,11 +61,14 @@ class MemberInfo:
         del fields["server_id"]  # it is the key
         if not fields["node_name"]:
             del fields["node_name"]  # records of servers that were not told their node read as before
+        if not fields["identity"]:
+            del fields["identity"]
         return json.dumps(fields, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, server_id: str, data: bytes) -> MemberInfo:
-        known = {"address", "capacity_blocks", "block_size", "kind", "node_name"}  # newer writers may add fields
+        # newer writers may add fields
+        known = {"address", "capacity_blocks", "block_size", "kind", "node_name", "identity"}
         return cls(server_id=server_id, **{k: v for k, v in json.loads(data).items() if k in known})
 
 

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry
 from infinite_llm.observability.metrics import RouterMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import router_pb2, router_pb2_grpc
+from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
+from infinite_llm.rpc.interceptors.api_key import ApiKeyInterceptor
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.router.discovery import DEFAULT_INTERVAL_S, ComputeDiscovery
 from infinite_llm.services.router.servicer import RouterServicer
@@ -26,7 +28,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RouterConfig:
     """Where the compute instances are: listed by the manager at ``manager_address`` (re-read every
-    ``discovery_interval_s`` seconds) and/or the static ``compute_addresses``."""
+    ``discovery_interval_s`` seconds) and/or the static ``compute_addresses``. ``api_keys``: a call must
+    carry ``authorization: Bearer <key>`` with one of them (none: no key needed; the gateway is exempt)."""
 
     compute_addresses: tuple[str, ...] = field(default_factory=tuple)
     host: str = "127.0.0.1"
@@ -35,6 +38,7 @@ class RouterConfig:
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
     manager_address: str = ""  # discover compute instances from this global manager ('' = static only)
     discovery_interval_s: float = DEFAULT_INTERVAL_S
+    api_keys: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not self.compute_addresses and not self.manager_address:
@@ -66,7 +70,8 @@ async def serve(config: RouterConfig) -> None:
         discovery = ComputeDiscovery(config.manager_address, servicer.set_discovered, config.discovery_interval_s)
         await discovery.refresh()  # the instances registered by now take requests from the first one
         discovery.start()
-    server = await start_server([service], f"{config.host}:{config.port}")
+    interceptors = [RequestIdInterceptor(), ErrorMappingInterceptor(), ApiKeyInterceptor(config.api_keys)]
+    server = await start_server([service], f"{config.host}:{config.port}", interceptors=interceptors)
     targets = list(config.compute_addresses)
     if discovery is not None:
         targets.append(f"the instances {config.manager_address} lists")

@@ -37,6 +37,7 @@ from infinite_llm.pb.v1 import router_pb2 as rpb
 from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
 from infinite_llm.rpc.channels import aio_channel
 from infinite_llm.rpc.errors import error_from_rpc
+from infinite_llm.rpc.interceptors.api_key import tenant_of
 from infinite_llm.services.generate_codec import prompt_from_request, sampling_from_proto
 
 DEFAULT_TIMEOUT_S = 600.0  # a generation without a client deadline gets this long (seconds)
@@ -73,7 +74,7 @@ class RouterServicer(rgrpc.RouterServicer):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self._owner: dict[str, _Instance] = {}
+        self._owner: dict[str, tuple[_Instance, str]] = {}  # request id -> (its instance, its tenant)
         self.metrics = metrics or RouterMetrics(CollectorRegistry())
 
     # ---- compute instances --------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class RouterServicer(rgrpc.RouterServicer):
             call = inst.stub.Generate(request, timeout=timeout)
             inst.in_flight += 1
             self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
-            self._owner[request.request_id] = inst
+            self._owner[request.request_id] = (inst, tenant_of(context))
             sent = False
             try:
                 async for msg in call:
@@ -189,6 +190,8 @@ class RouterServicer(rgrpc.RouterServicer):
             total.request_id = msg.request_id
             total.token_ids.extend(msg.token_ids)
             total.text += msg.text
+            total.logprobs.extend(msg.logprobs)
+            total.prompt_logprobs.extend(msg.prompt_logprobs)
             if msg.finish_reason:
                 total.finish_reason = msg.finish_reason
                 total.usage.CopyFrom(msg.usage)
@@ -197,9 +200,12 @@ class RouterServicer(rgrpc.RouterServicer):
         return total
 
     async def Abort(self, request: gpb.AbortRequest, context: grpc.aio.ServicerContext) -> gpb.AbortResponse:  # noqa: N802
-        inst = self._owner.get(request.request_id)
-        if inst is None:
+        """Abort a request of the caller's own (same certificate identity and API key); another tenant's
+        request reads as unknown (``aborted=False``), so ids cannot be probed either."""
+        owned = self._owner.get(request.request_id)
+        if owned is None or owned[1] != tenant_of(context):
             return gpb.AbortResponse(aborted=False)
+        inst = owned[0]
         try:
             return await inst.stub.Abort(request, timeout=10)
         except grpc.RpcError as e:

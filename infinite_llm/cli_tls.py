@@ -1,0 +1,92 @@
+"""TLS flags of every ``infinite-llm`` command that serves or dials, and ``infinite-llm tls init``.
+
+mTLS is on by default: a command needs ``--tls-dir`` (env ``INFINITE_LLM_TLS_DIR``: ``ca.pem``,
+``<role>.pem``, ``<role>-key.pem``) or an explicit ``--insecure``, which it logs loudly. The identity
+loaded here is the process's (``rpc/tls.set_process_tls``): every server and channel of the process uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:  # every `infinite-llm` call loads this module: gRPC only when a command runs
+    from infinite_llm.rpc.tls import TlsConfig
+
+TLS_DIR_ENV = "INFINITE_LLM_TLS_DIR"  # = infinite_llm.rpc.tls.TLS_DIR_ENV
+
+log = logging.getLogger("infinite_llm")
+err = Console(stderr=True, soft_wrap=True)
+
+TlsDir = Annotated[
+    str | None,
+    typer.Option(
+        envvar=TLS_DIR_ENV,
+        help="mTLS: directory with ca.pem, <role>.pem and <role>-key.pem (infinite-llm tls init makes one; "
+        "infinite-llm up prints its own).",
+        rich_help_panel="Security",
+    ),
+]
+Insecure = Annotated[
+    bool,
+    typer.Option(
+        envvar="INFINITE_LLM_INSECURE",
+        help="Plaintext gRPC without certificates or roles (local experiments only).",
+        rich_help_panel="Security",
+    ),
+]
+
+
+def setup_tls(role: str, tls_dir: str | None, insecure: bool) -> TlsConfig | None:
+    """Load this process's identity (``role``'s files in ``tls_dir``) and make it the process's; with
+    ``insecure``, none (plaintext), said loudly. Raises BadParameter when neither is given or a file is
+    missing."""
+    from infinite_llm.core.errors import InvalidRequest
+    from infinite_llm.rpc.tls import load_tls_dir, set_process_tls
+
+    if insecure:
+        log.warning(
+            "--insecure: mTLS is OFF; every gRPC port of this %s is plaintext and unauthenticated. "
+            "Anyone who can reach it can call it. Use only for local experiments.",
+            role,
+        )
+        set_process_tls(None)
+        return None
+    if not tls_dir:
+        raise typer.BadParameter(
+            f"mTLS is on by default: give --tls-dir DIR (or {TLS_DIR_ENV}) holding ca.pem, {role}.pem and "
+            f"{role}-key.pem, or --insecure for plaintext",
+            param_hint="--tls-dir",
+        )
+    try:
+        tls = load_tls_dir(tls_dir, role)
+    except InvalidRequest as e:
+        raise typer.BadParameter(e.message, param_hint="--tls-dir") from None
+    set_process_tls(tls)
+    log.debug("mTLS as %s with certificates from %s", role, tls_dir)
+    return tls
+
+
+tls_app = typer.Typer(no_args_is_help=True, help="Certificates for mTLS between the services of a mesh.")
+
+
+@tls_app.command("init")
+def tls_init(
+    directory: Annotated[Path, typer.Argument(help="Where to write ca.pem, ca-key.pem, <role>.pem, <role>-key.pem.")],
+    host: Annotated[
+        list[str] | None,
+        typer.Option(help="Another DNS name or IP of the services (e.g. manager.infinite-llm.svc); repeatable."),
+    ] = None,
+    days: Annotated[int, typer.Option(help="Validity in days.")] = 365,
+) -> None:
+    """Create a cluster CA and one certificate per role (manager, attention, compute, router, gateway, client)."""
+    from infinite_llm.rpc.certs import write_tls_dir
+
+    if days < 1:
+        raise typer.BadParameter(f"days must be >= 1, got {days}", param_hint="--days")
+    out = write_tls_dir(directory, hosts=tuple(host or ()), days=days)
+    err.print(f"wrote a cluster CA and per-role certificates to {out}; clients use --tls-dir {out}")

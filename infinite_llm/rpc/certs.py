@@ -1,0 +1,152 @@
+"""The cluster CA and per-role certificates (``cryptography``): what ``infinite-llm up`` and
+``infinite-llm tls init`` write into a TLS directory.
+
+Layout of a TLS directory (what :func:`infinite_llm.rpc.tls.load_tls_dir` reads): ``ca.pem`` (the cluster
+CA certificate), ``<role>.pem`` and ``<role>-key.pem`` per role, and ``ca-key.pem`` (only where more
+certificates are to be signed; never mounted into pods). Keys are ECDSA P-256, files with keys are 0600.
+
+A certificate names its role twice: the subject's common name (``CN=attention``) and a URI SAN
+``spiffe://infinite-llm/role/attention`` (what :func:`infinite_llm.rpc.tls.peer_role` reads first). Service
+roles also carry DNS/IP SANs: :data:`~infinite_llm.rpc.tls.SERVER_NAME` (the name every channel of the mesh
+checks, so pods reached by IP verify), ``localhost``, ``127.0.0.1``, ``::1`` and any ``hosts`` given
+(Kubernetes Service names). The client role has no server name: its certificate cannot serve the mesh.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from infinite_llm.rpc.tls import CLIENT_ROLES, ROLE_URI_PREFIX, ROLES, SERVER_NAME
+
+ORGANIZATION = "infinite-llm"
+DEFAULT_DAYS = 365
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+Key = ec.EllipticCurvePrivateKey
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, key: Key, days: int) -> x509.CertificateBuilder:
+    now = dt.datetime.now(dt.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))  # clocks of a cluster differ a little
+        .not_valid_after(now + dt.timedelta(days=days))
+    )
+
+
+def make_ca(common_name: str = "infinite-llm cluster CA", days: int = DEFAULT_DAYS) -> tuple[x509.Certificate, Key]:
+    """A self-signed CA that may sign leaf certificates only (path length 0)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _name(common_name)
+    cert = (
+        _builder(name, name, key, days)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )  # key_cert_sign, crl_sign
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def _san(role: str, hosts: Iterable[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role)]
+    if role in CLIENT_ROLES:
+        return names
+    for host in dict.fromkeys((SERVER_NAME, *LOOPBACK_HOSTS, *hosts)):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
+def make_leaf(
+    role: str,
+    ca_cert: x509.Certificate,
+    ca_key: Key,
+    hosts: Sequence[str] = (),
+    days: int = DEFAULT_DAYS,
+    common_name: str | None = None,
+) -> tuple[x509.Certificate, Key]:
+    """A certificate of ``role`` signed by the CA. ``common_name`` defaults to the role (tests give another
+    one to make a second identity of the same role). Raises ValueError for an unknown role."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    key = ec.generate_private_key(ec.SECP256R1())
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    if role not in CLIENT_ROLES:
+        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+    cert = (
+        _builder(_name(common_name or role), ca_cert.subject, key, days)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(_san(role, hosts)), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def key_pem(key: Key) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def write_tls_dir(
+    directory: str | Path,
+    roles: Sequence[str] = ROLES,
+    hosts: Sequence[str] = (),
+    days: int = DEFAULT_DAYS,
+    keep_ca_key: bool = True,
+) -> Path:
+    """Create a CA and one certificate per role in ``directory`` (made if missing); returns it.
+
+    ``hosts``: extra DNS names / IPs for the service roles (e.g. ``manager.infinite-llm.svc``).
+    ``keep_ca_key``: also write ``ca-key.pem`` (to sign more later); a pod never needs it.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = make_ca(days=days)
+    _write(out / "ca.pem", cert_pem(ca_cert), private=False)
+    if keep_ca_key:
+        _write(out / "ca-key.pem", key_pem(ca_key), private=True)
+    for role in roles:
+        cert, key = make_leaf(role, ca_cert, ca_key, hosts, days)
+        _write(out / f"{role}.pem", cert_pem(cert), private=False)
+        _write(out / f"{role}-key.pem", key_pem(key), private=True)
+    return out
