@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from infinite_llm.core.errors import InfiniteLLMError, QueueFull, Unavailable
+from infinite_llm.core.errors import InfiniteLLMError, NotFound, QueueFull, Unavailable
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import LLMEngine, RequestOutput
 from infinite_llm.observability.metrics import EngineMetrics
@@ -154,7 +154,7 @@ class EngineLoop:
             with self._step_span():
                 outputs = self.engine.step()
             self.steps, self.step_seconds = self.steps + 1, self.step_seconds + time.perf_counter() - started
-        except Unavailable as e:
+        except (Unavailable, NotFound) as e:  # a server unreachable, or one that lost (fenced) our KV
             self._recover(e)
             return
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the process
@@ -207,8 +207,9 @@ class EngineLoop:
             if out.first_scheduled_time is not None:
                 m.queue.observe(out.first_scheduled_time - out.arrival_time)
 
-    def _recover(self, error: Unavailable) -> None:
-        """An attention server became unreachable mid-step: its KV is gone. Recompute every running sequence
+    def _recover(self, error: Unavailable | NotFound) -> None:
+        """An attention server became unreachable mid-step, or no longer knows a sequence (it was fenced
+        after a pause past its lease and rejoined empty): its KV is gone. Recompute every running sequence
         from its tokens on the servers that remain (greedy output stays identical); give up after
         ``MAX_RECOVERIES`` failed steps in a row."""
         self._failures += 1

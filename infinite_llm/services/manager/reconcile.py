@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -88,8 +89,13 @@ class Reconciler:
     ``reclaimed`` counts what it freed, by kind (rBlocks for "unledgered", entries for the others).
     """
 
-    def __init__(self, manager: GlobalManager, servers: BlockServers, interval_s: float = 2.0) -> None:
-        self.manager, self.servers, self.interval_s = manager, servers, interval_s
+    def __init__(
+        self, manager: GlobalManager, servers: BlockServers, interval_s: float = 2.0, settle_s: float = 0.0
+    ) -> None:
+        """``settle_s``: after this manager starts leading, give members that long (one lease period) to
+        register again before an owner counts as gone: a manager restart outlasts their leases."""
+        self.manager, self.servers, self.interval_s, self.settle_s = manager, servers, interval_s, settle_s
+        self._leading_since: float | None = None
         self.reports = Reports()
         self.reclaimed: dict[str, int] = {}
         self._suspects: dict[Orphan, tuple[int, int]] = {}  # -> (ledger mod_revision, report counter)
@@ -121,7 +127,12 @@ class Reconciler:
         """
         if not self.manager.is_leader:
             self._suspects.clear()
+            self._leading_since = None
             return []
+        now = time.monotonic()
+        if self._leading_since is None:
+            self._leading_since = now
+        settled = now - self._leading_since >= self.settle_s
         servers = {m.info.server_id for m in self.manager.members()}
         computes = {m.info.instance_id for m in self.manager.computes.members.members()}
         self.reports.forget(servers, computes)
@@ -129,6 +140,8 @@ class Reconciler:
         records = await self.manager.ledger.read_records()
         found = self._find(records, computes, before_read)
         self._read_mark = self.reports.counter
+        if not settled:
+            found = {o: ev for o, ev in found.items() if o.kind != "owner_gone"}
         confirmed = [o for o, ev in found.items() if self._confirms(o, ev)]
         self._suspects = {o: ev for o, ev in found.items() if o not in confirmed}
         done = []

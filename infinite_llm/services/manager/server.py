@@ -69,7 +69,9 @@ async def serve(config: ManagerServerConfig) -> None:
     )
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
     registry = CollectorRegistry()
-    reconciler = Reconciler(manager, guard or servers, interval_s=max(config.member_ttl_s / 4, 0.5))
+    reconciler = Reconciler(
+        manager, guard or servers, interval_s=max(config.member_ttl_s / 4, 0.5), settle_s=config.member_ttl_s
+    )
     servicer = GlobalManagerServicer(manager, ManagerMetrics(registry), reconciler.reports)
     serve_metrics(registry, config.metrics_port, config.host)
     holder.append(servicer)

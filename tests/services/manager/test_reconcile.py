@@ -123,3 +123,17 @@ def test_a_follower_reclaims_nothing(etcd_server, etcd_prefix):
             assert (await leader.cluster_state()).ledger == {"s": [("a", 2)]}
 
     asyncio.run(scenario())
+
+
+def test_a_new_leader_gives_members_one_lease_period_to_register_again(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.place("s", 2, owner="c1")  # c1 has not registered again yet after a manager restart
+            r = Reconciler(m, servers, settle_s=60.0)
+            assert [await r.run_once() for _ in range(3)] == [[], [], []]
+            r.settle_s = 0.0
+            assert await r.run_once() == []  # suspected only now
+            assert await r.run_once() == [Orphan("owner_gone", "s")]
+
+    asyncio.run(scenario())
