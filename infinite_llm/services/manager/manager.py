@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
-from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound, PermissionDenied, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeInstances, ComputeLoad, ComputeState, debts
 from infinite_llm.services.manager.leadership import Leadership
@@ -128,17 +128,28 @@ class GlobalManager:
         kind: str = "attention",
         ttl_s: int | None = None,
         node_name: str = "",
+        identity: str = "",
     ) -> Registration:
         """Register a server under a lease of ``ttl_s`` seconds (default ``member_ttl_s``); ``node_name``: the
-        machine it runs on, which makes it a home of the compute instances registered with that node.
+        machine it runs on, which makes it a home of the compute instances registered with that node;
+        ``identity``: the subject of its certificate. While a registration of ``server_id`` lives, only the
+        same identity at the same address may register it again (a restart, a lost reply).
 
         Raises:
             InvalidRequest: a bad id, node name, capacity (rBlocks) or block size (tokens).
             FailedPrecondition: the server's block size differs from the cluster's.
+            PermissionDenied: ``server_id`` is registered live from another identity or address.
             NotLeader: this manager does not lead.
         """
         self.check_block_size(block_size, f"attention server {server_id!r}")
-        info = MemberInfo(server_id, address, capacity_blocks, block_size, kind, node_name)
+        info = MemberInfo(server_id, address, capacity_blocks, block_size, kind, node_name, identity)
+        live = next((m.info for m in self.membership.members() if m.info.server_id == server_id), None)
+        if live is not None and (live.identity, live.address) != (identity, address):
+            raise PermissionDenied(
+                f"attention server {server_id!r} is registered from another identity or address; it may "
+                "register again when that registration's lease ends",
+                param="server_id",
+            )
         return await self.membership.register(info, ttl_s or self.config.member_ttl_s)
 
     async def heartbeat(self, server_id: str, free_blocks: int, load: float = 0.0) -> int:

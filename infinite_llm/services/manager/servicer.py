@@ -11,6 +11,7 @@ from infinite_llm.core.errors import CapacityExhausted
 from infinite_llm.observability.metrics import ManagerMetrics
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+from infinite_llm.rpc.tls import peer_of
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad, ComputeState, heartbeat_age_s
 from infinite_llm.services.manager.manager import GlobalManager
 from infinite_llm.services.manager.migrations import MigrationResult
@@ -40,6 +41,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             request.block_size,
             request.kind or "attention",
             node_name=request.node_name,
+            identity=peer_of(context).identity,
         )
         self.metrics.view_capacity.labels(server_id=request.server_id).set(request.capacity_blocks)
         return mpb.RegisterResponse(lease_ttl_s=reg.ttl_s)
