@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from infinite_llm.cli_tls import Insecure, TlsDir, setup_tls
+from infinite_llm.cli_tls import HealthPort, Insecure, TlsDir, setup_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
 
@@ -122,6 +122,7 @@ def serve_attention(
     node_name: NodeName = "",
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
+    health_port: HealthPort = 0,
 ) -> None:
     """Attention server: holds rBlocks in --kv-memory and computes partial attention over them."""
     from infinite_llm.models.registry import load_model_config, resolve_model
@@ -142,7 +143,7 @@ def serve_attention(
         metrics_port=metrics_port,
         node_name=split_ids([node_name], "--node-name")[0] if node_name else "",
     )
-    setup_tls("attention", tls_dir, insecure)
+    setup_tls("attention", tls_dir, insecure, health_port)
     sys.exit(main(config))
 
 
@@ -199,6 +200,7 @@ def serve_manager(
     metrics_port: MetricsPort = 0,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
+    health_port: HealthPort = 0,
 ) -> None:
     """Global manager: membership, capacity view and rBlock placement ledger in etcd."""
     from infinite_llm.services.manager.autoscale import AutoscaleSettings, ScalingConfig
@@ -229,7 +231,7 @@ def serve_manager(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    setup_tls("manager", tls_dir, insecure)
+    setup_tls("manager", tls_dir, insecure, health_port)
     asyncio.run(serve(config))
 
 
@@ -267,6 +269,7 @@ def serve_compute(
     ] = 16,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
+    health_port: HealthPort = 0,
 ) -> None:
     """Compute instance: dense layers + scheduler; attention on the attention servers. Registers with the
     manager (routers discover it there) with its homes: --home servers and those registered with --node-name."""
@@ -296,7 +299,7 @@ def serve_compute(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    setup_tls("compute", tls_dir, insecure)
+    setup_tls("compute", tls_dir, insecure, health_port)
     asyncio.run(serve(config))
 
 
@@ -327,6 +330,7 @@ def serve_router(
     ] = None,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
+    health_port: HealthPort = 0,
 ) -> None:
     """Router: the public gRPC API (Generate, GenerateStream, Abort, ListModels, Tokenize). Needs --manager
     (compute instances discovered, followed as they come and go) or --compute, or both."""
@@ -345,7 +349,7 @@ def serve_router(
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    setup_tls("router", tls_dir, insecure)
+    setup_tls("router", tls_dir, insecure, health_port)
     asyncio.run(serve(config))
 
 

@@ -31,6 +31,15 @@ TlsDir = Annotated[
         rich_help_panel="Security",
     ),
 ]
+HealthPort = Annotated[
+    int,
+    typer.Option(
+        envvar="INFINITE_LLM_HEALTH_PORT",
+        help="With mTLS: also answer grpc.health.v1 (only) in plaintext on this port, for Kubernetes' gRPC "
+        "probes, which cannot present a certificate (0 = off).",
+        rich_help_panel="Security",
+    ),
+]
 Insecure = Annotated[
     bool,
     typer.Option(
@@ -41,10 +50,10 @@ Insecure = Annotated[
 ]
 
 
-def setup_tls(role: str, tls_dir: str | None, insecure: bool) -> TlsConfig | None:
+def setup_tls(role: str, tls_dir: str | None, insecure: bool, health_port: int = 0) -> TlsConfig | None:
     """Load this process's identity (``role``'s files in ``tls_dir``) and make it the process's; with
-    ``insecure``, none (plaintext), said loudly. Raises BadParameter when neither is given or a file is
-    missing."""
+    ``insecure``, none (plaintext), said loudly. ``health_port``: see :data:`HealthPort`. Raises
+    BadParameter when neither is given or a file is missing."""
     from infinite_llm.core.errors import InvalidRequest
     from infinite_llm.rpc.tls import load_tls_dir, set_process_tls
 
@@ -66,7 +75,9 @@ def setup_tls(role: str, tls_dir: str | None, insecure: bool) -> TlsConfig | Non
         tls = load_tls_dir(tls_dir, role)
     except InvalidRequest as e:
         raise typer.BadParameter(e.message, param_hint="--tls-dir") from None
-    set_process_tls(tls)
+    if not 0 <= health_port < 65536:
+        raise typer.BadParameter(f"must be in [0, 65535], got {health_port}", param_hint="--health-port")
+    set_process_tls(tls, health_port=health_port)
     log.debug("mTLS as %s with certificates from %s", role, tls_dir)
     return tls
 

@@ -5,7 +5,9 @@ standard ``grpc.health.v1.Health`` (SERVING for ``""`` and every service; NOT_SE
 Kubernetes' gRPC probes read) and server reflection (``grpcurl list``), and runs the request-id and
 error-mapping interceptors (``rpc/interceptors/``) in that order. With TLS (the process's identity unless
 ``tls`` says otherwise, ``rpc/tls.py``) the port demands a client certificate from the cluster CA and the
-role interceptor admits only the roles of ``rpc/access.py``; ``tls=None`` serves plaintext.
+role interceptor admits only the roles of ``rpc/access.py``; ``tls=None`` serves plaintext. Kubernetes'
+gRPC probes cannot present a certificate: with the process's identity, a plaintext port that serves only
+the same health service can be set with it (``serve ... --health-port``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from infinite_llm.core.errors import Unavailable
 from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
 from infinite_llm.rpc.interceptors.roles import RoleInterceptor
 from infinite_llm.rpc.options import DEFAULT_GRACE_S, server_options
-from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, TlsConfig, resolve
+from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, TlsConfig, resolve, take_process_health_port
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +53,14 @@ class RpcServer:
     health: health_aio.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    health_server: grpc.aio.Server | None = None  # plaintext, health only (kubelet probes), with TLS
 
     async def stop(self, grace: float | None = DEFAULT_GRACE_S) -> None:
         """Report NOT_SERVING, refuse new calls, give in-flight calls ``grace`` seconds, then cancel them."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -87,11 +92,24 @@ async def start_server(
     reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
     port = _bind(server, address, identity)
     await server.start()
+    health_server = None
+    if identity is not None and tls is FROM_PROCESS and (health_port := take_process_health_port()):
+        health_server = await _start_health_only(health, f"{address.rpartition(':')[0]}:{health_port}")
     for name in ("", *(s.name for s in services)):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     security = f"mTLS as {identity.role}" if identity is not None else "plaintext"
     log.info("serving %s on %s (port %d, %s)", ", ".join(s.name for s in services), address, port, security)
-    return RpcServer(server, health, port, names)
+    return RpcServer(server, health, port, names, health_server)
+
+
+async def _start_health_only(health: health_aio.HealthServicer, address: str) -> grpc.aio.Server:
+    """A plaintext server answering only ``grpc.health.v1`` from ``health`` (the TLS server's statuses)."""
+    server = grpc.aio.server(options=server_options())
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    _bind(server, address, None)
+    await server.start()
+    log.info("plaintext health checks (grpc.health.v1 only) on %s", address)
+    return server
 
 
 def _add_health(server: grpc.aio.Server) -> health_aio.HealthServicer:

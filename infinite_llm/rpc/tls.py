@@ -141,12 +141,24 @@ FROM_PROCESS: Final = _FromProcess()  # "use the identity the entry point set" (
 TlsArg = TlsConfig | None | _FromProcess
 
 _process_tls: TlsConfig | None = None
+_process_health_port = 0
 
 
-def set_process_tls(tls: TlsConfig | None) -> None:
-    """Set the identity every server and channel of this process uses unless told otherwise (entry points)."""
-    global _process_tls
-    _process_tls = tls
+def set_process_tls(tls: TlsConfig | None, health_port: int = 0) -> None:
+    """Set the identity every server and channel of this process uses unless told otherwise (entry points).
+
+    ``health_port`` (0 = none): the process's TLS server also answers ``grpc.health.v1`` in plaintext on
+    this port, and nothing else there: Kubernetes' gRPC probes cannot present a certificate.
+    """
+    global _process_tls, _process_health_port
+    _process_tls, _process_health_port = tls, health_port
+
+
+def take_process_health_port() -> int:
+    """The plaintext health port set with the identity (0: none), once: the first server takes it."""
+    global _process_health_port
+    port, _process_health_port = _process_health_port, 0
+    return port
 
 
 def resolve(tls: TlsArg) -> TlsConfig | None:

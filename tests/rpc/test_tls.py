@@ -330,3 +330,30 @@ def test_a_renewed_certificate_is_served_without_a_restart(loop, tmp_path):
         assert health(server.port, load_tls_dir(directory, "manager")) == health_pb2.HealthCheckResponse.SERVING
     finally:
         loop.run(server.stop(0))
+
+
+def test_a_plaintext_health_port_answers_only_health_for_kubelet_probes(loop, tls_dir):
+    """kubelet's gRPC probes present no certificate: ``--health-port`` serves the TLS server's health
+    statuses in plaintext, and no other service; the TLS port still refuses plaintext."""
+    from infinite_llm.rpc.tls import set_process_tls
+    from infinite_llm.state.etcd_launcher import free_port
+
+    health_port = free_port()
+    set_process_tls(load_tls_dir(tls_dir, "attention"), health_port=health_port)
+    try:
+        server = loop.run(start_server([SERVICES["attention"][0]]))  # the process's identity
+    finally:
+        set_process_tls(None)
+    try:
+        plain = f"127.0.0.1:{health_port}"
+        with sync_channel(plain, tls=None) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            got = call(health_port, agrpc.AttentionServerStub, "GetStats", apb.GetStatsRequest(), tls=None)
+            assert got == grpc.StatusCode.UNIMPLEMENTED
+        assert health(server.port, None) == grpc.StatusCode.UNAVAILABLE
+        loop.run(server.health.enter_graceful_shutdown())  # draining: the probe sees it
+        assert health(health_port, None) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        loop.run(server.stop(0))
+    assert health(health_port, None) == grpc.StatusCode.UNAVAILABLE
