@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,10 @@ from infinite_llm.services.manager.planner import Move
 from infinite_llm.services.manager.records import LedgerEntries
 
 log = logging.getLogger(__name__)
+# An order older than this (seconds) with no result is given up: twice the attention servers' reservation
+# TTL (60 s), past which an import into its reservations cannot succeed anyway.
+ORDER_TIMEOUT_S = 120.0
+SETTLED_KEPT = 4096  # settled migration ids remembered against late duplicates
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class Migrations:
         self._ids = itertools.count(1)
         self._orders: dict[str, list[MigrationOrder]] = {}  # owner -> orders not yet handed out
         self.in_flight: dict[int, MigrationOrder] = {}
+        self._started: dict[int, float] = {}  # migration id -> time.monotonic() at start
+        self._settled: dict[int, None] = {}  # recently settled ids (bounded): a late duplicate changes nothing
         self.migrations_total = 0  # settled migrations that moved at least one rBlock
         self.blocks_moved = 0
         self.bytes_moved = 0
@@ -123,6 +130,7 @@ class Migrations:
             return None
         order = MigrationOrder(next(self._ids), move.seq_id, move.src, src_address, move.dst, dst_address, held)
         self.in_flight[order.migration_id] = order
+        self._started[order.migration_id] = time.monotonic()
         self._orders.setdefault(owner, []).append(order)
         log.info("migration %d: %d rBlocks of %s %s -> %s (%s)", order.migration_id, move.n_blocks, move.seq_id,
                  move.src, move.dst, move.reason)  # fmt: skip
@@ -134,7 +142,14 @@ class Migrations:
 
     async def settle(self, result: MigrationResult) -> None:
         """Count what moved; put back in the ledger what did not, cancel its reservations, drop emptied
-        source entries. A sequence released meanwhile needs nothing (release freed both servers)."""
+        source entries. A sequence released meanwhile needs nothing (release freed both servers). A result
+        already settled (a duplicate, or one that arrives after :meth:`expire` gave up on it) is ignored."""
+        if result.migration_id in self._settled:
+            return
+        self._settled[result.migration_id] = None
+        while len(self._settled) > SETTLED_KEPT:
+            del self._settled[next(iter(self._settled))]
+        self._started.pop(result.migration_id, None)
         order = self.in_flight.pop(result.migration_id, None)
         for orders in self._orders.values():
             if order in orders:
@@ -153,6 +168,19 @@ class Migrations:
         if result.error:
             log.warning("migration %d of %s ended after %d of %d rBlocks: %s", result.migration_id, result.seq_id,
                         result.num_moved, result.num_blocks, result.error)  # fmt: skip
+
+    async def expire(self, now: float | None = None, timeout_s: float = ORDER_TIMEOUT_S) -> int:
+        """Settle as failed (nothing moved) the orders started more than ``timeout_s`` seconds ago: their
+        instance never reported (the order or its result was lost, or the instance died). No order outlives
+        its destination reservations (``RESERVATION_TTL_S`` on the attention server), so none is still
+        moving rBlocks by then. Returns how many."""
+        now = time.monotonic() if now is None else now
+        old = [mid for mid, at in self._started.items() if now - at > timeout_s]
+        for mid in old:
+            o = self.in_flight[mid]
+            n = len(o.reservation_ids)
+            await self.settle(MigrationResult(mid, o.seq_id, o.src, o.dst, n, 0, 0, "no result in time"))
+        return len(old)
 
     async def _reserve(self, move: Move) -> tuple[int, ...] | None:
         held: list[int] = []

@@ -101,6 +101,7 @@ class Rebalancer:
         """Plan once and start the moves that can start; returns how many started."""
         if not self.manager.is_leader:
             return 0
+        await self.manager.migrations.expire()
         view = await self.cluster_view()
         owners = {s.seq_id: s.owner for s in view.seqs}
         live = {i.instance_id for i in view.instances}

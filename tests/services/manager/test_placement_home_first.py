@@ -5,6 +5,7 @@ owner is itself borrowing; a move reserves the destination, shifts the ledger, a
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -162,5 +163,24 @@ def test_a_draining_server_is_emptied_by_migration_orders(etcd_server, etcd_pref
                 assert guard.in_flight("c") == 0 and servers.rmanagers["b"].pool.num_free == 8
             finally:
                 await m.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_order_without_a_result_expires_and_a_late_result_changes_nothing(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
+            await m.place("s1", 5, owner="c0")
+            order = await m.migrations.start(Move("s1", "a", "c", 2, "lend"), "c0")
+            assert await m.migrations.expire(now=time.monotonic() + 60) == 0
+            assert await m.migrations.expire(now=time.monotonic() + 121) == 1
+            assert (await m.cluster_state()).ledger == {"s1": [("a", 5)]}
+            assert servers.rmanagers["c"].pool.num_free == 8 and not m.migrations.in_flight
+            late = MigrationResult(order.migration_id, "s1", "a", "c", 2, 2, 10)
+            await m.migrations.settle(late)  # settled already: ignored
+            assert (await m.cluster_state()).ledger == {"s1": [("a", 5)]}
+            assert m.migrations.migrations_total == 0
 
     asyncio.run(scenario())
