@@ -139,8 +139,11 @@ class KVTokens:
 
     def add(self, seq: SimSeq, tokens: float) -> None:
         """``seq`` gained (or, negative, lost) ``tokens`` of KV, spread over its servers."""
-        total = seq.num_blocks
         home = self.homes[seq.owner]
+        if len(seq.blocks) == 1 and home in seq.blocks:  # the common case: all at home
+            self.on[home] += tokens
+            return
+        total = seq.num_blocks
         away = self.away[seq.owner]
         for server_id, n in seq.blocks.items():
             t = tokens * n / total
@@ -160,6 +163,6 @@ class Instance:
     home: str
     queue: deque[Request] = field(default_factory=deque)
     running: list[SimSeq] = field(default_factory=list)
+    prefills: list[SimSeq] = field(default_factory=list)  # running sequences with prompt left, FCFS
     last_step_s: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=64))  # planner StepSamples
-    lenders: tuple[str, ...] | None = None  # the planner's lender list for this instance (None: any server)

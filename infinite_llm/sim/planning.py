@@ -3,11 +3,11 @@
 Every ``planner_interval_s`` of simulated time (DESIGN.md §9, PAPER.md "Cluster scheduling"): heartbeat the
 manager's :class:`CapacityView` with each server's true free count; fit each instance's :class:`StepCost`
 from its own decode-step timings (:func:`fit_step_cost`, the instance's roofline coefficients as the prior);
-build a :class:`ClusterView`; run :func:`plan`; refresh each instance's :func:`lenders` (where placement may
-borrow until the next run); and start each move as the manager does: reserve on the destination (a refusal
-drops the move), transfer at ``migration_tokens_per_step`` tokens per step of the owning instance, then flip
-(commit on the destination, release on the source). A sequence that finishes mid-transfer cancels the
-reservation: nothing leaks.
+build a :class:`ClusterView`; run :func:`plan`; keep the view as its moves leave it, for :func:`lenders`
+(where placement may borrow until the next run); and start each move as the manager does: reserve on the
+destination (a refusal drops the move), transfer at ``migration_tokens_per_step`` tokens per step of the
+owning instance, then flip (commit on the destination, release on the source). A sequence that finishes
+mid-transfer cancels the reservation: nothing leaks.
 
 The view carries only the sequences :func:`plan` can act on: per instance its longest sequence with rBlocks
 at home (what lending moves), and every sequence with rBlocks away from its owner's home (what makes an
@@ -50,6 +50,8 @@ class PlannerDriver:
         self.prior = StepCost(cost.fixed_s + cost.weights_s, cost.seq_s, cost.kv_token_s)
         self.migrations = 0
         self.migrated_blocks = 0
+        self._after: ClusterView | None = None
+        self._lenders: dict[str, tuple[str, ...]] = {}
 
     @property
     def stats(self) -> tuple[int, int]:
@@ -61,11 +63,16 @@ class PlannerDriver:
             sim.view.heartbeat(server_id, free, load=0.0, now=now)
         view = self.cluster_view()
         moves = plan(view, self.config)
-        after = apply_moves(view, moves)
-        for inst in sim.instances:
-            inst.lenders = lenders(after, inst.instance_id)
+        self._after, self._lenders = apply_moves(view, moves), {}
         for move in moves:
             self._start(move, now)
+
+    def lenders_of(self, instance_id: str) -> tuple[str, ...]:
+        """Where ``instance_id`` may borrow until the next run: the planner's :func:`lenders` on the view as
+        its moves leave it (computed when first asked: only instances whose home is full ask)."""
+        if instance_id not in self._lenders:
+            self._lenders[instance_id] = lenders(self._after, instance_id)
+        return self._lenders[instance_id]
 
     def cluster_view(self) -> ClusterView:
         sim = self.sim

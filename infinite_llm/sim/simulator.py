@@ -77,6 +77,7 @@ class SimResult:
     """
 
     window_tokens: int
+    window_prompt_tokens: int
     window_s: float
     output_tokens: int
     makespan_s: float
@@ -94,6 +95,11 @@ class SimResult:
             return self.window_tokens / self.window_s
         return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
 
+    @property
+    def all_tokens_per_s(self) -> float:
+        """Prompt tokens prefilled plus output tokens decoded per second, over the window."""
+        return (self.window_tokens + self.window_prompt_tokens) / self.window_s if self.window_s > 0 else 0.0
+
 
 class Simulator:
     """Run ``requests`` (all arriving at time 0, routed round-robin) on the cluster of ``config``.
@@ -108,9 +114,9 @@ class Simulator:
         self.config = config
         self.horizon_s = horizon_s
         self.warmup_s = horizon_s / 4 if math.isfinite(horizon_s) else math.inf  # ramp-up left out
-        self.warm: tuple[int, float] | None = None  # (output tokens, time) at the warm-up's end
+        self.warm: tuple[int, int, float] | None = None  # (output, prompt tokens, time) at the warm-up's end
         self.to_completion = to_completion
-        self.window: tuple[int, float] | None = None  # (output tokens, time) when a queue first ran empty
+        self.window: tuple[int, int, float] | None = None  # (output, prompt tokens, time) when a queue ran empty
         n = config.num_instances
         self.instances = [Instance(i, f"c{i}", f"s{i}") for i in range(n)]
         for k, req in enumerate(requests):
@@ -124,7 +130,7 @@ class Simulator:
         self.now = 0.0
         self._events: list[tuple[float, int, str, object]] = []
         self._seqno = 0
-        self.output_tokens = self.served = self.refused = self.longest = self.events = 0
+        self.output_tokens = self.prompt_tokens = self.served = self.refused = self.longest = self.events = 0
         self.makespan = 0.0
         self.seqs: dict[str, SimSeq] = {}  # running sequences by id
 
@@ -141,9 +147,9 @@ class Simulator:
             self.schedule(0.0, "step", inst)
         while self._events and (self.window is None or self.to_completion):
             if self._events[0][0] >= self.warmup_s and self.warm is None:
-                self.warm = (self.output_tokens, self.warmup_s)
+                self.warm = (self.output_tokens, self.prompt_tokens, self.warmup_s)
             if self._events[0][0] >= self.horizon_s and self.window is None:
-                self.window = (self.output_tokens, self.horizon_s)
+                self.window = (self.output_tokens, self.prompt_tokens, self.horizon_s)
                 break
             self.now, _, kind, payload = heapq.heappop(self._events)
             self.events += 1
@@ -155,12 +161,13 @@ class Simulator:
             elif kind == "migrated":
                 self.planner.finish(payload)
         moved = self.planner.stats if self.planner is not None else (0, 0)
-        end_tokens, end_s = self.window or (self.output_tokens, self.makespan)
-        start_tokens, start_s = self.warm if self.warm is not None and self.warm[1] < end_s else (0, 0.0)
-        window_tokens, window_s = end_tokens - start_tokens, end_s - start_s
+        end_out, end_prompt, end_s = self.window or (self.output_tokens, self.prompt_tokens, self.makespan)
+        start = self.warm if self.warm is not None and self.warm[2] < end_s else (0, 0, 0.0)
+        window_tokens, window_prompt, window_s = end_out - start[0], end_prompt - start[1], end_s - start[2]
         makespan = self.makespan if self.to_completion else window_s
         return SimResult(
             window_tokens,
+            window_prompt,
             window_s,
             self.output_tokens,
             makespan,
@@ -203,12 +210,13 @@ class Simulator:
             self._dequeue(inst)
             seq = SimSeq(req, inst.index, blocks)
             inst.running.append(seq)
+            inst.prefills.append(seq)
             self.seqs[seq.seq_id] = seq
 
     def _dequeue(self, inst: Instance) -> None:
         inst.queue.popleft()
         if not inst.queue and self.window is None:
-            self.window = (self.output_tokens, self.now)
+            self.window = (self.output_tokens, self.prompt_tokens, self.now)
 
     def _reachable_capacity(self, inst: Instance) -> int:
         if self.config.mode == "static":
@@ -217,7 +225,10 @@ class Simulator:
 
     async def _place(self, inst: Instance, seq_id: str, n_blocks: int) -> dict[str, int] | None:
         """Reserve and commit ``n_blocks`` through the real placement; ``None`` if they do not fit now."""
-        lenders = () if self.config.mode == "static" else inst.lenders
+        if self.config.mode == "static" or self.view.free_blocks()[inst.home] >= n_blocks:
+            lenders: tuple[str, ...] | None = ()  # home only (static), or home holds it: no lender is asked
+        else:
+            lenders = None if self.planner is None else self.planner.lenders_of(inst.instance_id)
         try:
             held = await reserve_placement(
                 self.servers, self.view, seq_id, n_blocks, inst.home, homes=(inst.home,), lenders=lenders
@@ -237,7 +248,7 @@ class Simulator:
             if inst.queue:  # the head waits for memory to free elsewhere
                 self.schedule(self.now + self.config.tick_s, "step", inst)
             return
-        if any(s.prefilling for s in inst.running):
+        if inst.prefills:
             duration, steps = self._prefill_step(inst), 1
         else:
             batch, resident = len(inst.running), self.kv.on[inst.home]
@@ -282,19 +293,21 @@ class Simulator:
         decoding = [s for s in inst.running if not s.prefilling]
         budget = self.config.max_num_batched_tokens - len(decoding)
         prefill_s, chunks = 0.0, 0
-        for s in inst.running:
-            if not s.prefilling or budget <= 0:
-                continue
+        for s in inst.prefills:
+            if budget <= 0:
+                break
             chunk = min(budget, s.req.prompt_tokens - s.computed)
             widest = max(s.blocks.values()) / s.num_blocks  # holders attend in parallel: the widest share waits
             prefill_s += cost.prefill_attn_s(chunk * (s.computed + chunk / 2) * widest)
             budget -= chunk
             chunks += chunk
+            self.prompt_tokens += chunk
             s.computed += chunk
             self.kv.add(s, chunk)
             if not s.prefilling:
                 s.generated = 1  # the last chunk's logits give the first token
                 self.output_tokens += 1
+        inst.prefills = [s for s in inst.prefills if s.prefilling]
         step = cost.dense_s(len(inst.running), len(decoding) + chunks) + prefill_s
         if decoding:
             step += self._attention_s(inst, len(decoding), 0.0, 0.0)

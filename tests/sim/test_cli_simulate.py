@@ -34,10 +34,13 @@ def test_simulate_refuses_an_unknown_setting_and_a_calibration_for_another_model
 # mesh_overhead.py), so on 2 tiny instances pooling serves longer contexts but slower than static.
 EXPECTED_TINY = [
     "smollm2-135m: 2 instances of TP=1 (2,048 KV tokens each, pool 4,096); single TP=1 x PP=1 (4,096)",
-    "  short: pooled 37 tok/s (migrations 1), static 59 tok/s (refused 3), single 34 tok/s",
-    "  long: pooled 19 tok/s (migrations 0), static 49 tok/s (refused 4), single 25 tok/s",
+    "  short: pooled 37 tok/s (migrations 1), static 59 tok/s (refused 3), single 34 tok/s; "
+    "prompt+output 145 / 252 / 168 tok/s",
+    "  long: pooled 19 tok/s (migrations 0), static 49 tok/s (refused 4), single 25 tok/s; "
+    "prompt+output 167 / 269 / 173 tok/s",
     "  pooled/static short 0.63x (paper 1.35-1.73x): 53% below the paper's range",
     "  pooled/single short 1.10x (paper 1.4-5.3x): 22% below the paper's range",
     "  pooled/single long 0.73x (paper 1.4-3.4x): 48% below the paper's range",
+    "  pooled/single long, prompt+output tokens 0.97x (paper 1.4-3.4x): 31% below the paper's range",
     "  longest context pooled/static 2.00x (paper 2-19x): within the paper's range",
 ]

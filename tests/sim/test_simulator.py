@@ -120,6 +120,7 @@ def test_tiny_setting_reports_every_ratio():
         "pooled/static short",
         "pooled/single short",
         "pooled/single long",
+        "pooled/single long, prompt+output tokens",
         "longest context pooled/static",
     }
     assert report.ratios()["longest context pooled/static"] == 2.0
