@@ -8,11 +8,14 @@ attention servers in the mesh).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from infinite_llm.core.decode_graphs import DecodeGraphs
 from infinite_llm.core.dist_attention import StepAttention
+from infinite_llm.core.logits_processors import SeqTokens, apply_processors
+from infinite_llm.core.logprobs import TokenLogprob, prompt_targets, token_logprobs
 from infinite_llm.core.model import LlamaForCausalLM
 from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.core.sampling import sample
@@ -38,32 +41,85 @@ class ModelRunner:
         self.device = torch.device(device)
         self.decode_graphs = decode_graphs
 
-    def run(self, scheduled: list[ScheduledSeq]) -> dict[str, int]:
-        """One step. Returns the sampled next token of every sequence whose step ends its known tokens.
+    def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """One step: the sampled next token of every sequence whose step ends its known tokens (none for a
+        prompt scored with ``max_tokens == 0``), and the log-probabilities the sequences' params ask for.
 
         Inputs are flattened: ``input_ids, positions [num_tokens]`` int64, sequences in ``scheduled`` order.
+        Logits rows: the prompt positions to score (``prompt_logprobs``: every prompt position of a prefill
+        chunk, so a long chunk costs ``[chunk_tokens, vocab_size]`` fp32 of logits) first, then one per
+        sampling sequence.
         """
         ids: list[int] = []
         positions: list[int] = []
-        logit_rows: list[int] = []
+        prompt_rows: list[int] = []
+        scored: list[tuple[ScheduledSeq, range]] = []  # (sequence, prompt tokens it scores this step)
+        sample_rows: list[int] = []
+        sampling: list[ScheduledSeq] = []
         for s in scheduled:
             lo, hi = s.num_computed_tokens, s.num_computed_tokens + s.num_new
+            base = len(ids)
             ids.extend(s.seq.all_token_ids[lo:hi])
             positions.extend(range(lo, hi))
-            if s.samples:
-                logit_rows.append(len(ids) - 1)
+            if s.seq.params.prompt_logprobs is not None:
+                targets = prompt_targets(len(s.seq.prompt_token_ids), len(s.seq.prompt_logprobs), lo, hi)
+                prompt_rows.extend(base + t - 1 - lo for t in targets)
+                scored.append((s, targets))
+            if s.samples and s.seq.params.max_tokens > 0:
+                sample_rows.append(len(ids) - 1)
+                sampling.append(s)
+        logits = self._logits(scheduled, ids, positions, prompt_rows + sample_rows)
+        result = StepResult(prompt_logprobs=self._score_prompts(logits[: len(prompt_rows)], scored))
+        logits = logits[len(prompt_rows) :]  # (num_sampling_seqs, vocab)
+        params = [s.seq.params for s in sampling]
+        seqs = [SeqTokens(s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.stop_ids) for s in sampling]
+        tokens = sample(apply_processors(logits, params, seqs), params, [len(s.seq.output_token_ids) for s in sampling])
+        result.tokens = {s.seq.seq_id: t for s, t in zip(sampling, tokens, strict=True)}
+        result.logprobs = _sampled_logprobs(logits, sampling, tokens)
+        return result
+
+    def _logits(
+        self, scheduled: list[ScheduledSeq], ids: list[int], positions: list[int], rows: list[int]
+    ) -> torch.Tensor:
+        """``[len(rows), vocab]`` fp32 logits of the flat ``rows``; a plain decode step replays the graphs."""
         steps = [SeqStep(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in scheduled]
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(steps) and len(logit_rows) == len(steps):
-            logits = graphs.run(steps, ids)  # (num_seqs, vocab): every sequence of a decode step samples
-        else:
-            with self.prepare_attention(steps, self.model.config.num_attention_heads) as attention:
-                logits = self.model(
-                    torch.tensor(ids, dtype=torch.int64, device=self.device),
-                    torch.tensor(positions, dtype=torch.int64, device=self.device),
-                    attention,
-                    torch.tensor(logit_rows, dtype=torch.int64, device=self.device),
-                )  # (num_sampling_seqs, vocab)
-        sampling = [s for s in scheduled if s.samples]
-        tokens = sample(logits, [s.seq.params for s in sampling], [len(s.seq.output_token_ids) for s in sampling])
-        return {s.seq.seq_id: t for s, t in zip(sampling, tokens, strict=True)}
+        if graphs is not None and graphs.fits(steps) and rows == list(range(len(steps))):
+            return graphs.run(steps, ids)  # (num_seqs, vocab): every sequence of a decode step samples
+        with self.prepare_attention(steps, self.model.config.num_attention_heads) as attention:
+            return self.model(
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                attention,
+                torch.tensor(rows, dtype=torch.int64, device=self.device),
+            )  # (len(rows), vocab)
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, scored: list[tuple[ScheduledSeq, range]]) -> dict[str, list[TokenLogprob]]:
+        """Prompt token log-probabilities per sequence from ``logits [num_prompt_rows, vocab]`` (in order)."""
+        out, row = {}, 0
+        for s, targets in scored:
+            prompt, n = s.seq.prompt_token_ids, len(targets)
+            num_top = s.seq.params.prompt_logprobs
+            out[s.seq.seq_id] = token_logprobs(logits[row : row + n], [prompt[t] for t in targets], [num_top] * n)
+            row += n
+        return out
+
+
+@dataclass
+class StepResult:
+    """What one step yields per sequence id: ``tokens`` sampled; ``logprobs`` of those tokens (sequences whose
+    params ask); ``prompt_logprobs``: prompt tokens newly scored this step, in prompt order."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+def _sampled_logprobs(logits: torch.Tensor, sampling: list[ScheduledSeq], tokens: list[int]) -> dict[str, TokenLogprob]:
+    """Log-probabilities of the sampled ``tokens`` under the raw ``logits [num_sampling_seqs, vocab]``."""
+    rows = [i for i, s in enumerate(sampling) if s.seq.params.logprobs is not None]
+    if not rows:
+        return {}
+    found = token_logprobs(logits[rows], [tokens[i] for i in rows], [sampling[i].seq.params.logprobs for i in rows])
+    return {sampling[i].seq.seq_id: lp for i, lp in zip(rows, found, strict=True)}

@@ -7,12 +7,14 @@ recompute (vLLM's per-request generator gives the first property; deriving from 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 import torch
 
 from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.logprobs import MAX_LOGPROBS
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over 64 bits
 
@@ -33,24 +35,74 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # 0..MAX_LOGPROBS: report each sampled token's logprob and this many top ones
+    prompt_logprobs: int | None = None  # 0..MAX_LOGPROBS: the same for every prompt token after the first
+    # Logits processors (core/logits_processors.py), OpenAI's and vLLM's meanings: penalties of tokens
+    # already generated (presence: once, frequency: per occurrence; in [-2, 2]); repetition (> 0, 1 = off)
+    # of tokens in the prompt or the output; a bias per token id in [-100, 100]; no EOS / stop token id
+    # before min_tokens output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}", param="max_tokens")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise InvalidRequest(
+                f"max_tokens must be a positive integer (0 only to score a prompt with prompt_logprobs), "
+                f"got {self.max_tokens!r}",
+                param="max_tokens",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n!r}", param=name)
         if not self.temperature >= 0:  # also rejects NaN
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.top_k is not None and self.top_k < 1:
             raise InvalidRequest(f"top_k must be >= 1 or unset, got {self.top_k!r}", param="top_k")
+        self._check_processors()
         if any(s == "" for s in self.stop):
             raise InvalidRequest("stop strings must not be empty", param="stop")
         if self.seed is None:
             object.__setattr__(self, "seed", random.getrandbits(63))
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", param=name)
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidRequest(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}", param="repetition_penalty"
+            )
+        bad = [(t, b) for t, b in self.logit_bias.items() if not (isinstance(t, int) and t >= 0 and -100 <= b <= 100)]
+        if bad:
+            raise InvalidRequest(
+                f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {bad[0][0]!r}: {bad[0][1]!r}",
+                param="logit_bias",
+            )
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= max(self.max_tokens, 0)):
+            raise InvalidRequest(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}", param="min_tokens"
+            )
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logits processor changes this request's logits (else they are sampled as they are)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

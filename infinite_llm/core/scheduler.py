@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, KVCapacityExceeded, NotFound, Unavailable
+from infinite_llm.core.logprobs import TokenLogprob
 from infinite_llm.core.sampling import SamplingParams
 
 # What ``try_allocate`` raises about one sequence: a bad id, an unknown or released sequence. ``Unavailable``
@@ -67,6 +68,11 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
     first_scheduled_time: float | None = None
+    # log-probabilities asked for by ``params``: of prompt tokens 1.. (a recomputed prefill adds none twice),
+    # and of each output token (parallel to ``output_token_ids``)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_ids: tuple[int, ...] = ()  # token ids that end it (EOS unless ignore_eos, stop_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ from infinite_llm.core.ids import check_id
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
 from infinite_llm.core.model import LlamaForCausalLM
 from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
-from infinite_llm.core.runner import ModelRunner
+from infinite_llm.core.runner import ModelRunner, StepResult
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.core.scheduler import BlockManager, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from infinite_llm.engine.outputs import RequestOutput, TextStopper
@@ -71,6 +71,7 @@ class _Request:
     detok: object  # models.tokenizer.IncrementalDetokenizer
     stopper: TextStopper
     emitted_tokens: int = 0
+    sent_prompt_logprobs: bool = False  # the prompt's log-probabilities go out once, with the first output
 
 
 class LLMEngine:
@@ -130,7 +131,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params)
+        eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+        seq = Sequence(request_id, ids, params, stop_ids=eos + params.stop_token_ids)
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq, self.tokenizer.detokenizer(ids), TextStopper(params.stop))
         return request_id
@@ -142,6 +144,11 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+        bad_bias = [t for t in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise InvalidRequest(
+                f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {vocab})", param="logit_bias"
+            )
         limit = self.model_config.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
             raise ContextLengthExceeded(
@@ -181,9 +188,9 @@ class LLMEngine:
         failed = [self._failed_output(seq) for seq in out.failed]
         if not out.scheduled:
             return failed
-        sampled = self.runner.run(out.scheduled)
+        result = self.runner.run(out.scheduled)
         self.scheduler.mark_computed(out)
-        return failed + self._process(out, sampled)
+        return failed + self._process(out, result)
 
     def _failed_output(self, seq: Sequence) -> RequestOutput:
         """The last output of a request the scheduler failed alone (its placement was refused)."""
@@ -191,22 +198,30 @@ class LLMEngine:
         final.error = seq.error
         return final
 
-    def _process(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+    def _process(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         results = []
         for s in out.scheduled:
-            token = sampled.get(s.seq.seq_id)
+            seq = s.seq
+            seq.prompt_logprobs.extend(result.prompt_logprobs.get(seq.seq_id, ()))
+            if s.samples and seq.params.max_tokens == 0:  # a prompt scored without generating (echo)
+                self.scheduler.finish(seq, "length")
+                results.append(self._finish_output(self._requests[seq.seq_id], drain=False))
+                continue
+            token = result.tokens.get(seq.seq_id)
             if token is None:
                 continue
-            req = self._requests[s.seq.seq_id]
-            s.seq.output_token_ids.append(token)
-            results.append(self._on_token(req, token))
+            seq.output_token_ids.append(token)
+            if seq.params.logprobs is not None:
+                seq.output_logprobs.append(result.logprobs[seq.seq_id])
+            results.append(self._on_token(self._requests[seq.seq_id], token))
         return results
 
     def _on_token(self, req: _Request, token: int) -> RequestOutput:
         seq, p = req.seq, req.seq.params
+        below_min = len(seq.output_token_ids) < p.min_tokens  # stop strings wait for min_tokens (vLLM)
         is_eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
         reason = "stop" if is_eos or token in p.stop_token_ids else None
-        text, stopped = ("", False) if reason else req.stopper.push(req.detok.push(token))
+        text, stopped = ("", False) if reason else req.stopper.push(req.detok.push(token), check=not below_min)
         if stopped:
             reason = "stop"
         elif reason is None and len(seq.output_token_ids) >= p.max_tokens:
@@ -219,6 +234,10 @@ class LLMEngine:
     def _delta(self, req: _Request, text: str, finished: bool = False) -> RequestOutput:
         seq = req.seq
         new_ids = seq.output_token_ids[req.emitted_tokens :]
+        new_logprobs = seq.output_logprobs[req.emitted_tokens :] if seq.params.logprobs is not None else None
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and not req.sent_prompt_logprobs:
+            prompt_logprobs, req.sent_prompt_logprobs = [None, *seq.prompt_logprobs], True
         req.emitted_tokens = len(seq.output_token_ids)
         return RequestOutput(
             request_id=seq.seq_id,
@@ -232,6 +251,9 @@ class LLMEngine:
             num_preemptions=seq.num_preemptions,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
+            new_logprobs=new_logprobs,
+            logprobs=list(seq.output_logprobs) if new_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _finish_output(self, req: _Request, text: str = "", drain: bool = True) -> RequestOutput:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infinite_llm.core.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestOutput:
@@ -27,6 +29,11 @@ class RequestOutput:
     arrival_time: float = 0.0  # monotonic seconds; the request's queue time is first_scheduled - arrival
     first_scheduled_time: float | None = None
     error: Exception | None = None
+    # log-probabilities, when the request's params ask: of ``new_token_ids`` and of ``token_ids`` (parallel to
+    # them), and of the prompt's tokens (the first output only; entry 0 is None: nothing precedes token 0)
+    new_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -49,12 +56,19 @@ class TextStopper:
         self.stop = stop
         self.text = ""
         self._emitted = 0
+        self._checked_from = 0  # stop strings are searched from here on (text pushed unchecked is skipped)
         self._holdback = max((len(s) for s in stop), default=1) - 1
 
-    def push(self, piece: str) -> tuple[str, bool]:
-        search_from = max(0, len(self.text) - self._holdback)
+    def push(self, piece: str, check: bool = True) -> tuple[str, bool]:
+        """``check=False``: no stop string may end the text here (before ``min_tokens``); later checks
+        look only at text from this point on, as vLLM's do."""
+        search_from = max(self._checked_from, len(self.text) - self._holdback)
         self.text += piece
-        cut = min((i for s in self.stop if (i := self.text.find(s, search_from)) >= 0), default=-1)
+        cut = -1
+        if check:
+            cut = min((i for s in self.stop if (i := self.text.find(s, search_from)) >= 0), default=-1)
+        else:
+            self._checked_from = len(self.text)
         if cut >= 0:
             self.text = self.text[:cut]
             return self.flush(), True

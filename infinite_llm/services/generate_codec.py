@@ -7,9 +7,20 @@ SDK (encode). Validation raises :class:`InvalidRequest`, which the servers map t
 from __future__ import annotations
 
 from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.logprobs import TokenLogprob
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine.outputs import RequestOutput
 from infinite_llm.pb.v1 import generate_pb2 as gpb
+
+_OPTIONAL = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "repetition_penalty",
+)  # unset: the core default
 
 
 def sampling_from_proto(p: gpb.SamplingParams) -> SamplingParams:
@@ -19,8 +30,12 @@ def sampling_from_proto(p: gpb.SamplingParams) -> SamplingParams:
         "stop": tuple(p.stop),
         "stop_token_ids": tuple(p.stop_token_ids),
         "ignore_eos": p.ignore_eos,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "logit_bias": dict(p.logit_bias),
+        "min_tokens": p.min_tokens,
     }
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in _OPTIONAL:
         if p.HasField(name):
             kwargs[name] = getattr(p, name)
     return SamplingParams(**kwargs)
@@ -35,14 +50,41 @@ def sampling_to_proto(
     stop: list[str] | tuple[str, ...] = (),
     stop_token_ids: list[int] | tuple[int, ...] = (),
     ignore_eos: bool = False,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int = 0,
 ) -> gpb.SamplingParams:
     msg = gpb.SamplingParams(
-        max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+        max_tokens=max_tokens,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias or {},
+        min_tokens=min_tokens,
     )
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+    optional = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "logprobs": logprobs}
+    optional |= {"prompt_logprobs": prompt_logprobs, "repetition_penalty": repetition_penalty}
+    for name, value in optional.items():
         if value is not None:
             setattr(msg, name, value)
     return msg
+
+
+def logprob_to_proto(lp: TokenLogprob) -> gpb.TokenLogprob:
+    return gpb.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, top=[gpb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    )
+
+
+def logprob_from_proto(msg: gpb.TokenLogprob) -> TokenLogprob:
+    """The core value; ``logprob`` went through a float32 field (about 7 significant digits)."""
+    return TokenLogprob(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
 
 
 def prompt_from_request(req: gpb.GenerateRequest) -> str | list[int]:
@@ -60,6 +102,8 @@ def response_from_output(out: RequestOutput, placement: dict[str, int] | None = 
     msg = gpb.GenerateResponse(
         request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text, num_preemptions=out.num_preemptions
     )
+    msg.logprobs.extend(logprob_to_proto(lp) for lp in out.new_logprobs or ())
+    msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in (out.prompt_logprobs or [None])[1:])
     if out.finished:
         msg.finish_reason = out.finish_reason or ""
         msg.usage.prompt_tokens = out.prompt_tokens

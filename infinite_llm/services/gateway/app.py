@@ -22,7 +22,7 @@ from infinite_llm.client.errors import Cancelled
 from infinite_llm.core.errors import InfiniteLLMError, Unavailable
 from infinite_llm.observability.metrics import LATENCY_BUCKETS
 from infinite_llm.services.gateway import handlers
-from infinite_llm.services.gateway.backend import RouterBackend
+from infinite_llm.services.gateway.backend import RouterBackend, ServedModel
 from infinite_llm.services.gateway.errors import (
     AuthenticationFailed,
     MissingApiKey,
@@ -102,7 +102,8 @@ async def generate(
     plan = await handlers.plan(backend, body, "chatcmpl" if chat else "cmpl", special_tokens_in_messages)
     if not body.stream:
         outs = await until_disconnect(request, handlers.run_to_end(backend, plan))
-        return handlers.chat_response(plan, outs) if chat else handlers.completion_response(plan, outs)
+        respond = handlers.chat_response if chat else handlers.completion_response
+        return respond(plan, outs, backend.tokenizer)
     events = handlers.stream(backend, plan)
     try:
         first = await until_disconnect(request, anext(events))  # a refused request still gets its status
@@ -111,7 +112,7 @@ async def generate(
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunks = handlers.chat_chunks if chat else handlers.completion_chunks
-    bodies = chunks(plan, handlers.prepend(first, events), include_usage)
+    bodies = chunks(plan, handlers.prepend(first, events), include_usage, backend.tokenizer)
     return EventStream(handlers.sse_stream(bodies), on_close=events.aclose)
 
 
@@ -138,7 +139,7 @@ def install_metrics(app: FastAPI) -> None:
         latency.labels(route=route).observe(time.perf_counter() - start)
         return response
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -168,16 +169,19 @@ def create_app(backend: RouterBackend, api_key: str | None = None, special_token
     async def chat_completions(body: ChatCompletionRequest, request: Request):  # noqa: ANN202
         return await generate(request, backend, body, special_tokens_in_messages)
 
+    def card(c: ServedModel) -> ModelCard:
+        return ModelCard(id=c.id, created=started, owned_by=c.owned_by, max_model_len=c.max_model_len)
+
     @v1.get("/models")
     async def models() -> ModelList:
-        cards = await backend.models(fresh=True)
-        return ModelList(
-            data=[
-                ModelCard(id=c.id, created=started, owned_by=c.owned_by, max_model_len=c.max_model_len) for c in cards
-            ]
-        )
+        return ModelList(data=[card(c) for c in await backend.models(fresh=True)])
 
-    @app.get("/health")
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        """One served model's card; 404 ``model_not_found`` for any other id (ids may hold ``/``)."""
+        return card(await backend.model(model_id or "\0"))
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         try:
             await backend.models(fresh=True, timeout_s=HEALTH_TIMEOUT_S)

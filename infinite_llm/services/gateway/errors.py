@@ -62,6 +62,11 @@ async def _validation(request: Request, e: RequestValidationError) -> JSONRespon
     """FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the first bad parameter."""
     errors = e.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset): no parameter is at fault
+        where = first.get("loc", ("body", "?"))[-1]
+        detail = (first.get("ctx") or {}).get("error", first["msg"])
+        message = f"the request body is not valid JSON: {detail} (at character {where})"
+        return error_response(400, ErrorResponse(error=ErrorBody(message=message, type="invalid_request_error")))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first['msg']}" if param else str(first["msg"])

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from infinite_llm.client.sdk import CompletionChunk
 from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest
-from infinite_llm.services.gateway import params
+from infinite_llm.services.gateway import logprobs, params
 from infinite_llm.services.gateway.backend import RouterBackend, gather_or_cancel, merged
 from infinite_llm.services.gateway.errors import error_body
 from infinite_llm.services.gateway.protocol import (
@@ -28,6 +28,7 @@ from infinite_llm.services.gateway.protocol import (
     ChatMessage,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Delta,
@@ -84,6 +85,7 @@ async def plan(
     else:
         prompts = completion_prompts(req, backend.tokenizer)
     max_tokens = min(params.max_tokens(req, len(p), card.max_model_len, chat) for p in prompts)
+    echo = not chat and bool(req.echo)
     return params.Plan(
         id=f"{prefix}-{uuid.uuid4().hex}",
         model=card.id,
@@ -91,7 +93,20 @@ async def plan(
         n=req.n or 1,
         sampling=params.sampling_kwargs(req, max_tokens),
         seed=req.seed,
+        echo=echo,
+        prompt_texts=echo_texts(req, prompts, backend.tokenizer) if echo else [],
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
     )
+
+
+def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:  # noqa: ANN001
+    """Each prompt's text as echoed: as sent, or its token ids decoded (special tokens kept)."""
+    raw = req.prompt
+    items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    return [
+        t if isinstance(t, str) else tokenizer.decode(ids, skip_special_tokens=False)
+        for t, ids in zip(items, prompts, strict=True)
+    ]
 
 
 # ---- running ---------------------------------------------------------------------------------------------
@@ -108,18 +123,43 @@ def _usage(p: params.Plan, outs: list[CompletionChunk]) -> Usage:
     return Usage.of(p.prompt_tokens, sum(o.completion_tokens for o in outs))
 
 
-def completion_response(p: params.Plan, outs: list[CompletionChunk]) -> CompletionResponse:
-    choices = [
-        CompletionChoice(index=i, text=o.text, finish_reason=params.finish_reason(o.finish_reason))
-        for i, o in enumerate(outs)
-    ]
+def completion_piece(
+    p: params.Plan,
+    tokenizer,
+    i: int,
+    chunk: CompletionChunk,
+    first: bool,
+    offset: int = 0,  # noqa: ANN001
+) -> tuple[str, CompletionLogprobs | None]:
+    """Text and logprobs of choice ``i`` for ``chunk`` (a whole completion, or a streamed piece); the
+    ``first`` piece starts with the echoed prompt; token offsets start at ``offset``."""
+    ids, lps, text = list(chunk.token_ids), list(chunk.logprobs), chunk.text
+    if first and p.echo:
+        prompt = p.prompts[i // p.n]
+        text, ids = p.prompt_texts[i // p.n] + text, prompt + ids
+        lps = [None, *chunk.prompt_logprobs, *lps] if p.logprobs else lps
+    if not p.logprobs:
+        return text, None
+    return text, logprobs.completion_logprobs(tokenizer, ids, lps, offset)
+
+
+def completion_response(p: params.Plan, outs: list[CompletionChunk], tokenizer) -> CompletionResponse:  # noqa: ANN001
+    choices = []
+    for i, o in enumerate(outs):
+        text, lps = completion_piece(p, tokenizer, i, o, first=True)
+        choices.append(
+            CompletionChoice(index=i, text=text, logprobs=lps, finish_reason=params.finish_reason(o.finish_reason))
+        )
     return CompletionResponse(id=p.id, created=int(time.time()), model=p.model, choices=choices, usage=_usage(p, outs))
 
 
-def chat_response(p: params.Plan, outs: list[CompletionChunk]) -> ChatCompletionResponse:
+def chat_response(p: params.Plan, outs: list[CompletionChunk], tokenizer) -> ChatCompletionResponse:  # noqa: ANN001
     choices = [
         ChatChoice(
-            index=i, message=AssistantMessage(content=o.text), finish_reason=params.finish_reason(o.finish_reason)
+            index=i,
+            message=AssistantMessage(content=o.text),
+            logprobs=logprobs.chat_logprobs(tokenizer, o.logprobs) if p.logprobs else None,
+            finish_reason=params.finish_reason(o.finish_reason),
         )
         for i, o in enumerate(outs)
     ]
@@ -143,35 +183,55 @@ async def sse_stream(bodies: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-async def completion_chunks(p: params.Plan, events: Events, include_usage: bool) -> AsyncIterator[BaseModel]:
-    created, completion_tokens = int(time.time()), 0
+async def completion_chunks(
+    p: params.Plan,
+    events: Events,
+    include_usage: bool,
+    tokenizer,  # noqa: ANN001
+) -> AsyncIterator[BaseModel]:
+    """Per choice: text pieces (the first with the echoed prompt), each with its tokens' logprobs."""
+    created, completion_tokens, offsets = int(time.time()), 0, {}
     async for i, chunk in events:
         finish = params.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
-        completion_tokens += chunk.completion_tokens if finish else 0
-        if chunk.text or finish:
-            choice = CompletionChoice(index=i, text=chunk.text, finish_reason=finish)
-            yield CompletionResponse(id=p.id, created=created, model=p.model, choices=[choice])
+        completion_tokens += len(chunk.token_ids)
+        text, lps = completion_piece(p, tokenizer, i, chunk, i not in offsets, offsets.get(i, 0))
+        if lps is not None:
+            offsets[i] = logprobs.end_offset(lps) if lps.tokens else offsets.get(i, 0)
+        else:
+            offsets.setdefault(i, 0)
+        if text or finish or (lps is not None and lps.tokens):
+            choice = CompletionChoice(index=i, text=text, logprobs=lps, finish_reason=finish)
+            usage = Usage.of(p.prompt_tokens, completion_tokens) if p.continuous_usage else None
+            yield CompletionResponse(id=p.id, created=created, model=p.model, choices=[choice], usage=usage)
     if include_usage:
         yield CompletionResponse(
             id=p.id, created=created, model=p.model, choices=[], usage=Usage.of(p.prompt_tokens, completion_tokens)
         )
 
 
-async def chat_chunks(p: params.Plan, events: Events, include_usage: bool) -> AsyncIterator[BaseModel]:
-    """Per choice: a first delta with the role, content deltas, then an empty delta with the finish reason."""
+async def chat_chunks(
+    p: params.Plan,
+    events: Events,
+    include_usage: bool,
+    tokenizer,  # noqa: ANN001
+) -> AsyncIterator[BaseModel]:
+    """Per choice: a first delta with the role, content deltas (with their tokens' logprobs when asked),
+    then an empty delta with the finish reason."""
     created, completion_tokens, started = int(time.time()), 0, set()
 
     def chunk_of(choice: ChatStreamChoice) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=p.id, created=created, model=p.model, choices=[choice])
+        usage = Usage.of(p.prompt_tokens, completion_tokens) if p.continuous_usage else None
+        return ChatCompletionChunk(id=p.id, created=created, model=p.model, choices=[choice], usage=usage)
 
     async for i, chunk in events:
+        completion_tokens += len(chunk.token_ids)
         if i not in started:
             started.add(i)
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")))
-        if chunk.text:
-            yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=chunk.text)))
+        lps = logprobs.chat_logprobs(tokenizer, chunk.logprobs) if p.logprobs and chunk.token_ids else None
+        if chunk.text or lps is not None:
+            yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=chunk.text), logprobs=lps))
         if chunk.finish_reason:
-            completion_tokens += chunk.completion_tokens
             yield chunk_of(
                 ChatStreamChoice(index=i, delta=Delta(), finish_reason=params.finish_reason(chunk.finish_reason))
             )

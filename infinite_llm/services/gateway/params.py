@@ -29,6 +29,14 @@ class Plan:
     n: int
     sampling: dict = field(default_factory=dict)  # AsyncClient keywords, seed excluded
     seed: int | None = None
+    echo: bool = False  # completions: the prompt's text (and its logprobs) come first in each choice
+    prompt_texts: list[str] = field(default_factory=list)  # per prompt, for echo
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries usage so far
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether each token's log-probability goes in the response."""
+        return self.sampling.get("logprobs") is not None
 
     @property
     def prompt_tokens(self) -> int:
@@ -75,32 +83,44 @@ def _invalid_text(value: object, where: str) -> tuple[str, str] | None:
     return None
 
 
+# vLLM's request extensions this server does not implement, with the value that means "off": any other value
+# is a 400 naming the field (OpenAI's own unknown fields, like ``metadata`` or ``store``, are ignored).
+UNSUPPORTED_EXTENSIONS: dict[str, object] = {
+    "min_p": 0.0,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "logits_processors": None,
+}
+
+
 def reject_unsupported(req: SamplingFields) -> None:
     """400 for fields the engine cannot honour, instead of silently ignoring them."""
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise InvalidRequest(f"{name} is not supported by this server; leave it unset or 0", param=name)
-    if req.logit_bias:
-        raise InvalidRequest("logit_bias is not supported by this server", param="logit_bias")
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED_EXTENSIONS and value not in (UNSUPPORTED_EXTENSIONS[name], None):
+            raise InvalidRequest(f"{name} is not supported by this server; leave it unset", param=name)
+    logit_bias(req)
     if isinstance(req, CompletionRequest):
         _reject_completion_fields(req)
     elif isinstance(req, ChatCompletionRequest):
         _reject_chat_fields(req)
 
 
-def _no_logprobs() -> InvalidRequest:
-    return InvalidRequest(
-        "logprobs are not supported yet: the engine does not return token log-probabilities", param="logprobs"
-    )
-
-
 def _reject_completion_fields(req: CompletionRequest) -> None:
-    if req.logprobs is not None:
-        raise _no_logprobs()
-    if req.echo:
-        raise InvalidRequest("echo is not supported by this server", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise InvalidRequest("max_tokens 0 is allowed only with echo (to score the prompt)", param="max_tokens")
     if req.suffix:
         raise InvalidRequest("suffix is not supported by this server", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
@@ -108,12 +128,35 @@ def _reject_completion_fields(req: CompletionRequest) -> None:
 
 
 def _reject_chat_fields(req: ChatCompletionRequest) -> None:
-    if req.logprobs or req.top_logprobs:
-        raise _no_logprobs()
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
     if req.tools or req.functions:
         raise InvalidRequest("tools and function calling are not supported by this server", param="tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise InvalidRequest("only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def logprob_kwargs(req: SamplingFields, max_tokens: int) -> dict:
+    """``logprobs`` / ``prompt_logprobs`` for the mesh: completions' ``logprobs: k`` (k top tokens; with
+    ``echo`` the prompt's too, and ``max_tokens: 0`` + ``echo`` scores the prompt alone, as evaluation
+    harnesses do); chat's ``logprobs: true`` with ``top_logprobs: k`` (default 0)."""
+    if isinstance(req, ChatCompletionRequest):
+        return {"logprobs": (req.top_logprobs or 0) if req.logprobs else None}
+    assert isinstance(req, CompletionRequest)
+    scored = req.logprobs if req.logprobs is not None else (0 if max_tokens == 0 else None)
+    return {"logprobs": req.logprobs, "prompt_logprobs": scored if req.echo else None}
+
+
+def logit_bias(req: SamplingFields) -> dict[int, float]:
+    """``logit_bias`` with integer token ids; 400 for a key that is not one or a bias outside [-100, 100]."""
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.strip().isdigit() or not -100 <= bias <= 100:
+            raise InvalidRequest(
+                f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias!r}", param="logit_bias"
+            )
+        out[int(key)] = bias
+    return out
 
 
 def sampling_kwargs(req: SamplingFields, max_tokens: int) -> dict:
@@ -128,6 +171,12 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int) -> dict:
         "stop": stop,
         "stop_token_ids": list(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": req.repetition_penalty,
+        "logit_bias": logit_bias(req),
+        "min_tokens": req.min_tokens,
+        **logprob_kwargs(req, max_tokens),
     }
 
 
@@ -136,7 +185,7 @@ def max_tokens(req: SamplingFields, prompt_len: int, max_model_len: int, chat: b
 
     Raises ``ContextLengthExceeded`` (400 ``context_length_exceeded``) when prompt + completion cannot fit.
     """
-    requested = req.max_completion_tokens or req.max_tokens
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     room = max_model_len - prompt_len
     if requested is None:
         requested = min(CHAT_DEFAULT_MAX_TOKENS, room) if chat else COMPLETION_DEFAULT_MAX_TOKENS
