@@ -121,3 +121,17 @@ def test_config_rejects_bad_thresholds():
         PlannerConfig(creditor_max_utilization=1.5)
     with pytest.raises(ValueError, match="max_moves must be >= 1"):
         PlannerConfig(max_moves=0)
+
+
+def test_lenders_put_nobodys_servers_first_and_never_a_borrowers_home():
+    from infinite_llm.services.manager.placement import choose_servers
+    from infinite_llm.services.manager.planner import lenders
+
+    view = _lending_cluster(b_borrows=True)  # B borrows on hC
+    assert lenders(view, "A") == ("hC",)  # hB is B's home and B borrows: no chains
+    assert lenders(view, "B") == ("hC", "hA")  # nobody's first, then A's home (A does not borrow)
+    assert lenders(view, "stranger") == ("hC", "hA")  # unknown: every server the rules allow
+    free = {s.server_id: s.free_blocks for s in view.servers}
+    assert choose_servers(5, free, None, homes=("hB",), lenders=lenders(view, "B")) == [("hB", 5)]
+    assert choose_servers(12, free, None, homes=("hB",), lenders=lenders(view, "B")) == [("hB", 9), ("hC", 3)]
+    assert choose_servers(3, free, None, homes=("hA",), lenders=lenders(view, "A")) == [("hC", 3)]
