@@ -101,3 +101,21 @@ def tls_init(
         raise typer.BadParameter(f"days must be >= 1, got {days}", param_hint="--days")
     out = write_tls_dir(directory, hosts=tuple(host or ()), days=days)
     err.print(f"wrote a cluster CA and per-role certificates to {out}; clients use --tls-dir {out}")
+
+
+@tls_app.command("k8s-secrets")
+def tls_k8s_secrets(
+    namespace: Annotated[str, typer.Option(envvar="POD_NAMESPACE", help="Namespace ('' = this pod's).")] = "",
+    prefix: Annotated[str, typer.Option(help="Secret names: <prefix>-<role>.")] = "infinite-llm-tls",
+) -> None:
+    """In a pod (the dev overlay's tls-bootstrap Job): create one kubernetes.io/tls Secret per role from a new
+    CA, unless all exist. Production uses cert-manager instead."""
+    from kubernetes import client, config
+
+    from infinite_llm.rpc.k8s_secrets import ensure_role_secrets
+
+    config.load_incluster_config()
+    if not namespace:
+        namespace = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip()
+    wrote = ensure_role_secrets(client.CoreV1Api(), namespace, prefix)
+    err.print(f"role Secrets in {namespace}: {'written' if wrote else 'already there'}")

@@ -15,12 +15,18 @@ from .conftest import K8S, OVERLAYS, RENDERS, kustomize, path_kubectl, render_di
 from .manifests import one
 
 K8S_VERSION = "1.32.0"
+CERT_MANAGER = "cert-manager.io/v1"  # CRDs: no schema in kubernetes-validate; checked in test_tls.py
+
+
+def core(docs: list[dict]) -> list[dict]:
+    """The documents of Kubernetes' own kinds (not cert-manager's custom resources)."""
+    return [d for d in docs if d["apiVersion"] != CERT_MANAGER]
 
 
 @pytest.mark.parametrize("name", RENDERS)
 def test_every_document_validates_strictly_against_kubernetes_1_32(rendered, name):
     docs = rendered[name]
-    for doc in docs:
+    for doc in core(docs):
         what = f"{name}: {doc['kind']}/{doc['metadata']['name']}"
         try:
             assert kv.validate(doc, K8S_VERSION, strict=True) == "1.32", what
@@ -34,7 +40,7 @@ def test_every_document_validates_strictly_against_kubernetes_1_32(rendered, nam
 def test_kubernetes_validate_cli_passes_the_render_file(rendered, name, tmp_path: Path):
     """The command an operator would run, on the rendered file: no error, no warning, exit 0."""
     out = tmp_path / f"{name}.yaml"
-    out.write_text(yaml.safe_dump_all(rendered[name], sort_keys=False))
+    out.write_text(yaml.safe_dump_all(core(rendered[name]), sort_keys=False))
     proc = subprocess.run(
         [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSION, "--quiet", str(out)],
         capture_output=True,
@@ -54,7 +60,7 @@ def test_strict_validation_rejects_an_unknown_field(rendered):
 
 @pytest.mark.parametrize("name", RENDERS)
 def test_render_has_the_whole_mesh(rendered, name):
-    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in rendered[name] if d["kind"] != "ConfigMap")
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in core(rendered[name]) if d["kind"] != "ConfigMap")
     expected = [
         ("Deployment", "compute"),
         ("Deployment", "gateway"),
@@ -79,6 +85,8 @@ def test_render_has_the_whole_mesh(rendered, name):
     ]
     if name == "production":
         expected += [("PodDisruptionBudget", n) for n in ("attention", "compute", "etcd", "gateway", "router")]
+    else:  # certificates from the tls-bootstrap Job (production: cert-manager, test_tls.py)
+        expected += [(k, "tls-bootstrap") for k in ("Job", "Role", "RoleBinding", "ServiceAccount")]
     assert kinds == sorted(expected)
     configmaps = [d["metadata"]["name"] for d in rendered[name] if d["kind"] == "ConfigMap"]
     assert len(configmaps) == 1 and configmaps[0].startswith("infinite-llm-config-")  # hashed: rollouts on change

@@ -78,15 +78,22 @@ def test_probes_target_the_service_port(rendered, render, component):
     named = [p for p in c["ports"] if p["name"] == port_name]
     assert [p["containerPort"] for p in named] == [port]
     # STYLE.md: one named grpc port (etcd also has its peer port; the gateway speaks HTTP and serves /metrics
-    # on it); every other service also serves Prometheus /metrics on its own "metrics" port.
-    expected = {"state-store": ["grpc", "peer"], "gateway": [port_name]}.get(component, [port_name, "metrics"])
+    # on it); every other service also serves Prometheus /metrics on its own "metrics" port, and grpc.health.v1
+    # in plaintext on its "health" port (its grpc port demands a client certificate, which kubelet lacks).
+    expected = {"state-store": ["grpc", "peer"], "gateway": [port_name]}.get(
+        component, [port_name, "metrics", "health"]
+    )
     assert [p["name"] for p in c["ports"]] == expected
     if "metrics" in expected:
         assert "--metrics-port=$(METRICS_PORT)" in c["args"]
+    probe_port = port
+    if "health" in expected:
+        probe_port = int(config_data(rendered[render], c)["INFINITE_LLM_HEALTH_PORT"])
+        assert [p["containerPort"] for p in c["ports"] if p["name"] == "health"] == [probe_port]
     probes = {k: c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
     if probe_kind == "grpc":
         for kind_, probe in probes.items():
-            assert probe["grpc"] == {"port": port}, f"{kind_}: native gRPC probe on {port}"
+            assert probe["grpc"] == {"port": probe_port}, f"{kind_}: native gRPC probe on {probe_port}"
     else:
         assert probes["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert probes["startupProbe"]["tcpSocket"] == probes["livenessProbe"]["tcpSocket"] == {"port": "http"}
@@ -223,6 +230,6 @@ def test_model_users_get_the_model_from_the_init_step(rendered, render, componen
     assert mounts["models"]["readOnly"] is True and "readOnly" not in init_mounts["models"]
     cache = data["INFINITE_LLM_MODEL_CACHE"]
     assert mounts["model-cache"]["mountPath"] == init_mounts["model-cache"]["mountPath"] == cache
-    volumes = {v["name"]: v for v in spec["volumes"]}
+    volumes = {v["name"]: v for v in spec["volumes"] if v["name"] != "tls"}  # tls: the role's Secret (test_tls.py)
     assert set(volumes) == {"models", "model-cache", "tmp"}
     assert all("emptyDir" in v for v in volumes.values())
