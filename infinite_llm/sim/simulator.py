@@ -274,7 +274,9 @@ class Simulator:
         The KV grows by one token per sequence per step, so the mean step is the step at the midpoint."""
         cost, batch = self.config.cost, len(inst.running)
         grow_home = sum(s.fraction(inst.home) for s in inst.running)
-        grow_away = batch - grow_home
+        away = self.kv.away[inst.index]
+        widest = max(away, key=away.__getitem__) if away else None  # the remote partial the step waits for
+        grow_away = sum(s.fraction(widest) for s in inst.running) if widest else 0.0
         first = cost.dense_s(batch, batch) + self._attention_s(inst, batch, 0.0, 0.0)
         left = min(s.req.output_tokens - s.generated for s in inst.running)
         k = max(1, min(left, int(self.config.tick_s / first)))

@@ -45,8 +45,14 @@ def test_static_refuses_a_context_larger_than_one_instance_and_pooled_serves_it(
     assert pooled.output_tokens == 100 + sum(20 + 3 * i for i in range(9))
 
 
-def test_every_rblock_and_reservation_is_back_after_a_pooled_run(cost):
-    sim, result = simulate(cost, "pooled", one_long_and_nine_short())
+@pytest.mark.parametrize("requests", ["one long", "seeded 40"])
+def test_every_rblock_and_reservation_is_back_after_a_pooled_run(cost, requests):
+    if requests == "one long":
+        trace = one_long_and_nine_short()
+    else:  # the planner migrates rBlocks during this one (PINNED_POOLED)
+        trace = generate(TraceSpec("short", 40, 0.1, 1000, 1800), seed=3)
+    sim, result = simulate(cost, "pooled", trace)
+    assert result.served + result.refused == len(trace)
     assert sim.servers.free_blocks == {"s0": 128, "s1": 128}
     assert sim.servers.held == {"s0": {}, "s1": {}} and sim.servers._reservations == {}
     assert sim.view.free_blocks() == {"s0": 128, "s1": 128}
