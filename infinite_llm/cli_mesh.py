@@ -265,7 +265,10 @@ def serve_compute(
     ] = "",
     migration_tokens_per_step: Annotated[
         int,
-        typer.Option(help="KV tokens a live migration moves between two decode steps (0: run no migrations)."),
+        typer.Option(
+            help="KV tokens a live migration moves between two decode steps (0: run no migrations).",
+            envvar="INFINITE_LLM_MIGRATION_TOKENS_PER_STEP",
+        ),
     ] = 16,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,

@@ -112,6 +112,8 @@ class ManagerMetrics:
         self.placement_failures = Counter(P + "placement_failures", "Place calls refused (capacity)", registry=registry)
         self.releases = Counter(P + "releases", "Sequences released", registry=registry)
         self.migrations = Counter(P + "migrations", "rBlock migrations between servers", registry=registry)
+        self.migrated_rblocks = Counter(P + "migrated_rblocks", "rBlocks moved by migrations", registry=registry)
+        self.migrated_bytes = Counter(P + "migrated_bytes", "KV bytes moved by migrations", registry=registry)
         self.view_free = Gauge(
             P + "cluster_rblocks_free", "Free rBlocks per server (manager's view)", ["server_id"], registry=registry
         )

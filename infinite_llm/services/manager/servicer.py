@@ -135,6 +135,8 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 )
             )  # fmt: skip
             self.metrics.migrations.inc(m.migrations.migrations_total - before)
+            self.metrics.migrated_rblocks.inc(r.num_moved)
+            self.metrics.migrated_bytes.inc(r.bytes_moved)
         orders = [
             mpb.MigrationOrder(
                 migration_id=o.migration_id, seq_id=o.seq_id, src_server_id=o.src, src_address=o.src_address,

@@ -1,0 +1,181 @@
+"""Pooled KV memory vs a static per-instance partition, on the local mesh (issue 10, PAPER.md "Evaluation").
+
+2 compute instances, each with one home attention server of small KV memory (``--home-blocks`` rBlocks),
+serve one long-tail trace: mostly short requests, and a few whose context exceeds one home server. Modes,
+one after the other, each on fresh processes:
+
+- ``static``: each instance uses only its home (the vLLM-multi baseline): two independent meshes of one
+  instance and one server each; requests alternate between them.
+- ``pooled``: one mesh, both servers lent by the manager's planner, live migration on (16 tokens per step).
+- ``pooled, no migration``: the same mesh with ``--migration-tokens-per-step 0`` (placement still lends).
+
+Every request is sent at once (greedy, ``ignore_eos``). Per mode it prints output tokens per second (tokens
+of completed requests over the wall time), requests completed and refused (the cluster could never hold
+them, or they failed), the longest context served (prompt + output tokens), migrations and KV bytes moved
+(the manager's ``migrations_total`` and ``migrated_bytes``), and ends with the line
+``pooled/static throughput X.XXx, longest context X.XXx``. SmolLM2-135M-Instruct fp32 on CPU by default.
+Run: ``.venv/bin/python benchmarks/pooled_vs_static.py [--short 24 --long 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import os
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from infinite_llm.client import Client, InfiniteLLMError
+from infinite_llm.core.rmanager import KVLayout
+from infinite_llm.mesh import LocalMesh, MeshConfig
+from infinite_llm.models.registry import load_model_files, resolve_model
+from infinite_llm.state.etcd_launcher import free_port
+
+BLOCK_SIZE = 16
+TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
+MIGRATION_ENV = "INFINITE_LLM_MIGRATION_TOKENS_PER_STEP"  # read by `serve compute` (its default: 16)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Figures:
+    seconds: float = 0.0
+    output_tokens: int = 0
+    completed: int = 0
+    refused: int = 0
+    longest_context: int = 0
+    migrations: float = 0.0
+    bytes_moved: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+def long_tail_trace(tokens: list[int], n_short: int, n_long: int, home_tokens: int) -> list[Request]:
+    """``n_short`` requests of 32-64 prompt tokens and 16-32 new, then ``n_long`` whose context spans from
+    1.3 to 1.9 home servers (so at most 0.96 of the 2-server pool), interleaved one long per 8 short."""
+    short = [Request(tokens[i * 7 : i * 7 + 32 + (i * 13) % 33], 16 + (i * 5) % 17) for i in range(n_short)]
+    longs = []
+    for j in range(n_long):
+        context = int(home_tokens * (1.3 + 0.6 * j / max(n_long - 1, 1)))
+        longs.append(Request(tokens[j * 11 : j * 11 + context - 16], 16))
+    trace = list(short)
+    for j, r in enumerate(longs):
+        trace.insert(min(len(trace), (j + 1) * 8), r)
+    return trace
+
+
+def run_trace(clients: list[Client], trace: list[Request]) -> Figures:
+    """Send every request at once (request i to ``clients[i % len(clients)]``); figures of the run."""
+    fig = Figures()
+
+    def one(i: int, r: Request):
+        try:
+            out = clients[i % len(clients)].generate(r.prompt, max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+        except InfiniteLLMError:
+            return None
+        return len(r.prompt) + len(out.token_ids), len(out.token_ids)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(trace)) as pool:
+        results = list(pool.map(one, range(len(trace)), trace))
+    fig.seconds = time.perf_counter() - start
+    for res in results:
+        if res is None:
+            fig.refused += 1
+            continue
+        fig.completed += 1
+        fig.output_tokens += res[1]
+        fig.longest_context = max(fig.longest_context, res[0])
+    return fig
+
+
+def scrape(address: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def mesh_config(servers: int, home_bytes: int) -> MeshConfig:
+    return MeshConfig(
+        attention_servers=servers,
+        compute_instances=servers,  # attn-i is the home of compute-i
+        kv_memory_bytes=home_bytes,
+        router_port=free_port(),
+        gateway_port=free_port(),
+        block_size=BLOCK_SIZE,
+        member_ttl_s=3,
+        insecure=True,
+    )
+
+
+def run_static(trace: list[Request], home_bytes: int) -> Figures:
+    with contextlib.ExitStack() as stack:
+        meshes = [stack.enter_context(LocalMesh(mesh_config(1, home_bytes))) for _ in range(2)]
+        clients = [stack.enter_context(Client(m.router_address, tls=None)) for m in meshes]
+        return run_trace(clients, trace)
+
+
+def run_pooled(trace: list[Request], home_bytes: int, migration: bool) -> Figures:
+    previous = os.environ.get(MIGRATION_ENV)
+    os.environ[MIGRATION_ENV] = "16" if migration else "0"
+    try:
+        with LocalMesh(mesh_config(2, home_bytes)) as mesh, Client(mesh.router_address, tls=None) as client:
+            fig = run_trace([client], trace)
+            time.sleep(3.0)  # the last migration results reach the manager with the next heartbeats
+            manager = next(p for p in mesh.procs if p.role == "manager")
+            fig.migrations = scrape(manager.metrics_address, "infinite_llm:migrations_total")
+            fig.bytes_moved = scrape(manager.metrics_address, "infinite_llm:migrated_bytes_total")
+            return fig
+    finally:
+        if previous is None:
+            os.environ.pop(MIGRATION_ENV, None)
+        else:
+            os.environ[MIGRATION_ENV] = previous
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--home-blocks", type=int, default=24, help="rBlocks of each home attention server")
+    ap.add_argument("--short", type=int, default=24, help="short requests in the trace")
+    ap.add_argument("--long", type=int, default=3, help="long requests (context > one home server)")
+    a = ap.parse_args()
+    config, _, tokenizer = load_model_files(resolve_model(None))
+    layout = KVLayout(config.num_hidden_layers, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+    home_bytes = a.home_blocks * layout.bytes_per_block
+    trace = long_tail_trace(tokenizer.encode(TEXT), a.short, a.long, a.home_blocks * BLOCK_SIZE)
+    print(
+        f"trace: {len(trace)} requests ({a.short} short, {a.long} long); 2 instances, home {a.home_blocks} rBlocks "
+        f"x {BLOCK_SIZE} tokens each (pool {2 * a.home_blocks * BLOCK_SIZE} tokens)"
+    )
+    figures = {
+        "static": run_static(trace, home_bytes),
+        "pooled": run_pooled(trace, home_bytes, migration=True),
+        "pooled, no migration": run_pooled(trace, home_bytes, migration=False),
+    }
+    header = f"{'mode':22} {'tok/s':>8} {'completed':>9} {'refused':>7} {'longest ctx':>11}"
+    print(f"{header} {'migrations':>10} {'MiB moved':>9}")
+    for mode, f in figures.items():
+        print(
+            f"{mode:22} {f.tokens_per_s:8.1f} {f.completed:9d} {f.refused:7d} {f.longest_context:11d} "
+            f"{f.migrations:10.0f} {f.bytes_moved / 2**20:9.2f}"
+        )
+    static, pooled = figures["static"], figures["pooled"]
+    print(
+        f"pooled/static throughput {pooled.tokens_per_s / max(static.tokens_per_s, 1e-9):.2f}x, "
+        f"longest context {pooled.longest_context / max(static.longest_context, 1):.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
