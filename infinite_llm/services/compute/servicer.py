@@ -17,6 +17,7 @@ from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.services.compute.engine_loop import EngineLoop
 from infinite_llm.services.generate_codec import prompt_from_request, response_from_output, sampling_from_proto
+from infinite_llm.services.prompt_limits import check_prompt_size, encode_off_loop
 
 
 class ComputeInstanceServicer(cgrpc.ComputeInstanceServicer):
@@ -32,6 +33,10 @@ class ComputeInstanceServicer(cgrpc.ComputeInstanceServicer):
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         params = sampling_from_proto(request.sampling)
         prompt = prompt_from_request(request)
+        if isinstance(prompt, str):  # capped, then tokenized on a worker thread: not on the engine's
+            engine = self.loop.engine
+            check_prompt_size(prompt, engine.model_config.max_position_embeddings)
+            prompt = await encode_off_loop(engine.tokenizer, prompt)
         rid = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         aio_loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()

@@ -39,6 +39,7 @@ from infinite_llm.rpc.channels import aio_channel
 from infinite_llm.rpc.errors import error_from_rpc
 from infinite_llm.rpc.interceptors.api_key import tenant_of
 from infinite_llm.services.generate_codec import prompt_from_request, sampling_from_proto
+from infinite_llm.services.prompt_limits import check_prompt_size, encode_off_loop
 
 DEFAULT_TIMEOUT_S = 600.0  # a generation without a client deadline gets this long (seconds)
 
@@ -113,6 +114,7 @@ class RouterServicer(rgrpc.RouterServicer):
         prompt = prompt_from_request(request)
         if not prompt:
             raise InvalidRequest("prompt is empty", param="prompt")
+        check_prompt_size(prompt, self.max_model_len)  # before a compute instance tokenizes it
         out = gpb.GenerateRequest()
         out.CopyFrom(request)
         out.request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -219,5 +221,6 @@ class RouterServicer(rgrpc.RouterServicer):
     async def Tokenize(self, request: rpb.TokenizeRequest, context) -> rpb.TokenizeResponse:  # noqa: N802, ANN001
         if request.model and request.model != self.model_name:
             raise ModelNotFound(f"model {request.model!r} is not served here", param="model")
-        ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        check_prompt_size(request.text, self.max_model_len, param="text")
+        ids = await encode_off_loop(self.tokenizer, request.text, request.add_special_tokens)
         return rpb.TokenizeResponse(token_ids=ids)
