@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from infinite_llm.pb.v1 import tensor_pb2 as infinite__llm_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&infinite_llm/v1/attention_server.proto\x12\x0finfinite_llm.v1\x1a\x1cinfinite_llm/v1/tensor.proto\":\n\x14ReserveBlocksRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\"B\n\x15ReserveBlocksResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\"D\n\x13\x43ommitBlocksRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x15\n\rblock_indices\x18\x02 \x03(\x03\"9\n\x14\x43ommitBlocksResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\"2\n\x18\x43\x61ncelReservationRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\"\x1b\n\x19\x43\x61ncelReservationResponse\"<\n\x13\x46reeSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\x03\")\n\x14\x46reeSequenceResponse\x12\x11\n\tnum_freed\x18\x01 \x01(\x03\"G\n\x07StepSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x03\x12\x0f\n\x07num_new\x18\x03 \x01(\x03\"\x83\x01\n\x08StepOpen\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12&\n\x04seqs\x18\x02 \x03(\x0b\x32\x18.infinite_llm.v1.StepSeq\x12\x11\n\tnum_heads\x18\x03 \x01(\x05\x12\x16\n\x0etensor_channel\x18\x04 \x01(\t\x12\x13\n\x0bnum_kv_rows\x18\x05 \x01(\x05\"\x91\x01\n\nLayerInput\x12\r\n\x05layer\x18\x01 \x01(\x05\x12&\n\x05query\x18\x02 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\x12$\n\x03key\x18\x03 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\x12&\n\x05value\x18\x04 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\"v\n\x13\x41ttendStreamRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.infinite_llm.v1.StepOpenH\x00\x12,\n\x05layer\x18\x02 \x01(\x0b\x32\x1b.infinite_llm.v1.LayerInputH\x00\x42\x06\n\x04part\"q\n\x0cLayerPartial\x12\r\n\x05layer\x18\x01 \x01(\x05\x12,\n\x0bpartial_out\x18\x02 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\x12$\n\x03lse\x18\x03 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\"{\n\x18OpenTensorChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x03\"+\n\x19OpenTensorChannelResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\"/\n\x19\x43loseTensorChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\"\x1c\n\x1a\x43loseTensorChannelResponse\"M\n\x13\x45xportBlocksRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x03\"\x91\x01\n\x13\x42lockTransferHeader\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12(\n\x07payload\x18\x03 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\x12\x16\n\x0ereservation_id\x18\x04 \x01(\x04\x12\x15\n\rblock_indices\x18\x05 \x03(\x03\"d\n\x12\x42lockTransferChunk\x12\x36\n\x06header\x18\x01 \x01(\x0b\x32$.infinite_llm.v1.BlockTransferHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"9\n\x14ImportBlocksResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\"\x11\n\x0fGetStatsRequest\"\xfa\x01\n\x10GetStatsResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12)\n\x06layout\x18\x02 \x01(\x0b\x32\x19.infinite_llm.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\x03\x12\x10\n\x08num_free\x18\x04 \x01(\x03\x12\x10\n\x08num_used\x18\x05 \x01(\x03\x12\x14\n\x0cnum_reserved\x18\x06 \x01(\x03\x12\x15\n\rnum_sequences\x18\x07 \x01(\x03\x12\x17\n\x0f\x62ytes_per_block\x18\x08 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x03\x12\x12\n\nused_bytes\x18\n \x01(\x03\x32\xd7\x07\n\x0f\x41ttentionServer\x12^\n\rReserveBlocks\x12%.infinite_llm.v1.ReserveBlocksRequest\x1a&.infinite_llm.v1.ReserveBlocksResponse\x12[\n\x0c\x43ommitBlocks\x12$.infinite_llm.v1.CommitBlocksRequest\x1a%.infinite_llm.v1.CommitBlocksResponse\x12j\n\x11\x43\x61ncelReservation\x12).infinite_llm.v1.CancelReservationRequest\x1a*.infinite_llm.v1.CancelReservationResponse\x12[\n\x0c\x46reeSequence\x12$.infinite_llm.v1.FreeSequenceRequest\x1a%.infinite_llm.v1.FreeSequenceResponse\x12W\n\x0c\x41ttendStream\x12$.infinite_llm.v1.AttendStreamRequest\x1a\x1d.infinite_llm.v1.LayerPartial(\x01\x30\x01\x12j\n\x11OpenTensorChannel\x12).infinite_llm.v1.OpenTensorChannelRequest\x1a*.infinite_llm.v1.OpenTensorChannelResponse\x12m\n\x12\x43loseTensorChannel\x12*.infinite_llm.v1.CloseTensorChannelRequest\x1a+.infinite_llm.v1.CloseTensorChannelResponse\x12[\n\x0c\x45xportBlocks\x12$.infinite_llm.v1.ExportBlocksRequest\x1a#.infinite_llm.v1.BlockTransferChunk0\x01\x12\\\n\x0cImportBlocks\x12#.infinite_llm.v1.BlockTransferChunk\x1a%.infinite_llm.v1.ImportBlocksResponse(\x01\x12O\n\x08GetStats\x12 .infinite_llm.v1.GetStatsRequest\x1a!.infinite_llm.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&infinite_llm/v1/attention_server.proto\x12\x0finfinite_llm.v1\x1a\x1cinfinite_llm/v1/tensor.proto\":\n\x14ReserveBlocksRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\"B\n\x15ReserveBlocksResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\"D\n\x13\x43ommitBlocksRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x15\n\rblock_indices\x18\x02 \x03(\x03\"9\n\x14\x43ommitBlocksResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\"2\n\x18\x43\x61ncelReservationRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\"\x1b\n\x19\x43\x61ncelReservationResponse\"<\n\x13\x46reeSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\x03\")\n\x14\x46reeSequenceResponse\x12\x11\n\tnum_freed\x18\x01 \x01(\x03\"G\n\x07StepSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x03\x12\x0f\n\x07num_new\x18\x03 \x01(\x03\"\x92\x01\n\x08StepOpen\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12&\n\x04seqs\x18\x02 \x03(\x0b\x32\x18.infinite_llm.v1.StepSeq\x12\x11\n\tnum_heads\x18\x03 \x01(\x05\x12\x16\n\x0etensor_channel\x18\x04 \x01(\t\x12\x13\n\x0bnum_kv_rows\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\x91\x01\n\nLayerInput\x12\r\n\x05layer\x18\x01 \x01(\x05\x12&\n\x05query\x18\x02 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\x12$\n\x03key\x18\x03 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\x12&\n\x05value\x18\x04 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\"v\n\x13\x41ttendStreamRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.infinite_llm.v1.StepOpenH\x00\x12,\n\x05layer\x18\x02 \x01(\x0b\x32\x1b.infinite_llm.v1.LayerInputH\x00\x42\x06\n\x04part\"q\n\x0cLayerPartial\x12\r\n\x05layer\x18\x01 \x01(\x05\x12,\n\x0bpartial_out\x18\x02 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\x12$\n\x03lse\x18\x03 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\"{\n\x18OpenTensorChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x03\"+\n\x19OpenTensorChannelResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\"/\n\x19\x43loseTensorChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\"\x1c\n\x1a\x43loseTensorChannelResponse\"M\n\x13\x45xportBlocksRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x03\"\x91\x01\n\x13\x42lockTransferHeader\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12(\n\x07payload\x18\x03 \x01(\x0b\x32\x17.infinite_llm.v1.Tensor\x12\x16\n\x0ereservation_id\x18\x04 \x01(\x04\x12\x15\n\rblock_indices\x18\x05 \x03(\x03\"d\n\x12\x42lockTransferChunk\x12\x36\n\x06header\x18\x01 \x01(\x0b\x32$.infinite_llm.v1.BlockTransferHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"9\n\x14ImportBlocksResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\"\x11\n\x0fGetStatsRequest\"\xfa\x01\n\x10GetStatsResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12)\n\x06layout\x18\x02 \x01(\x0b\x32\x19.infinite_llm.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\x03\x12\x10\n\x08num_free\x18\x04 \x01(\x03\x12\x10\n\x08num_used\x18\x05 \x01(\x03\x12\x14\n\x0cnum_reserved\x18\x06 \x01(\x03\x12\x15\n\rnum_sequences\x18\x07 \x01(\x03\x12\x17\n\x0f\x62ytes_per_block\x18\x08 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x03\x12\x12\n\nused_bytes\x18\n \x01(\x03\x32\xd7\x07\n\x0f\x41ttentionServer\x12^\n\rReserveBlocks\x12%.infinite_llm.v1.ReserveBlocksRequest\x1a&.infinite_llm.v1.ReserveBlocksResponse\x12[\n\x0c\x43ommitBlocks\x12$.infinite_llm.v1.CommitBlocksRequest\x1a%.infinite_llm.v1.CommitBlocksResponse\x12j\n\x11\x43\x61ncelReservation\x12).infinite_llm.v1.CancelReservationRequest\x1a*.infinite_llm.v1.CancelReservationResponse\x12[\n\x0c\x46reeSequence\x12$.infinite_llm.v1.FreeSequenceRequest\x1a%.infinite_llm.v1.FreeSequenceResponse\x12W\n\x0c\x41ttendStream\x12$.infinite_llm.v1.AttendStreamRequest\x1a\x1d.infinite_llm.v1.LayerPartial(\x01\x30\x01\x12j\n\x11OpenTensorChannel\x12).infinite_llm.v1.OpenTensorChannelRequest\x1a*.infinite_llm.v1.OpenTensorChannelResponse\x12m\n\x12\x43loseTensorChannel\x12*.infinite_llm.v1.CloseTensorChannelRequest\x1a+.infinite_llm.v1.CloseTensorChannelResponse\x12[\n\x0c\x45xportBlocks\x12$.infinite_llm.v1.ExportBlocksRequest\x1a#.infinite_llm.v1.BlockTransferChunk0\x01\x12\\\n\x0cImportBlocks\x12#.infinite_llm.v1.BlockTransferChunk\x1a%.infinite_llm.v1.ImportBlocksResponse(\x01\x12O\n\x08GetStats\x12 .infinite_llm.v1.GetStatsRequest\x1a!.infinite_llm.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,33 +51,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPSEQ']._serialized_start=532
   _globals['_STEPSEQ']._serialized_end=603
   _globals['_STEPOPEN']._serialized_start=606
-  _globals['_STEPOPEN']._serialized_end=737
-  _globals['_LAYERINPUT']._serialized_start=740
-  _globals['_LAYERINPUT']._serialized_end=885
-  _globals['_ATTENDSTREAMREQUEST']._serialized_start=887
-  _globals['_ATTENDSTREAMREQUEST']._serialized_end=1005
-  _globals['_LAYERPARTIAL']._serialized_start=1007
-  _globals['_LAYERPARTIAL']._serialized_end=1120
-  _globals['_OPENTENSORCHANNELREQUEST']._serialized_start=1122
-  _globals['_OPENTENSORCHANNELREQUEST']._serialized_end=1245
-  _globals['_OPENTENSORCHANNELRESPONSE']._serialized_start=1247
-  _globals['_OPENTENSORCHANNELRESPONSE']._serialized_end=1290
-  _globals['_CLOSETENSORCHANNELREQUEST']._serialized_start=1292
-  _globals['_CLOSETENSORCHANNELREQUEST']._serialized_end=1339
-  _globals['_CLOSETENSORCHANNELRESPONSE']._serialized_start=1341
-  _globals['_CLOSETENSORCHANNELRESPONSE']._serialized_end=1369
-  _globals['_EXPORTBLOCKSREQUEST']._serialized_start=1371
-  _globals['_EXPORTBLOCKSREQUEST']._serialized_end=1448
-  _globals['_BLOCKTRANSFERHEADER']._serialized_start=1451
-  _globals['_BLOCKTRANSFERHEADER']._serialized_end=1596
-  _globals['_BLOCKTRANSFERCHUNK']._serialized_start=1598
-  _globals['_BLOCKTRANSFERCHUNK']._serialized_end=1698
-  _globals['_IMPORTBLOCKSRESPONSE']._serialized_start=1700
-  _globals['_IMPORTBLOCKSRESPONSE']._serialized_end=1757
-  _globals['_GETSTATSREQUEST']._serialized_start=1759
-  _globals['_GETSTATSREQUEST']._serialized_end=1776
-  _globals['_GETSTATSRESPONSE']._serialized_start=1779
-  _globals['_GETSTATSRESPONSE']._serialized_end=2029
-  _globals['_ATTENTIONSERVER']._serialized_start=2032
-  _globals['_ATTENTIONSERVER']._serialized_end=3015
+  _globals['_STEPOPEN']._serialized_end=752
+  _globals['_LAYERINPUT']._serialized_start=755
+  _globals['_LAYERINPUT']._serialized_end=900
+  _globals['_ATTENDSTREAMREQUEST']._serialized_start=902
+  _globals['_ATTENDSTREAMREQUEST']._serialized_end=1020
+  _globals['_LAYERPARTIAL']._serialized_start=1022
+  _globals['_LAYERPARTIAL']._serialized_end=1135
+  _globals['_OPENTENSORCHANNELREQUEST']._serialized_start=1137
+  _globals['_OPENTENSORCHANNELREQUEST']._serialized_end=1260
+  _globals['_OPENTENSORCHANNELRESPONSE']._serialized_start=1262
+  _globals['_OPENTENSORCHANNELRESPONSE']._serialized_end=1305
+  _globals['_CLOSETENSORCHANNELREQUEST']._serialized_start=1307
+  _globals['_CLOSETENSORCHANNELREQUEST']._serialized_end=1354
+  _globals['_CLOSETENSORCHANNELRESPONSE']._serialized_start=1356
+  _globals['_CLOSETENSORCHANNELRESPONSE']._serialized_end=1384
+  _globals['_EXPORTBLOCKSREQUEST']._serialized_start=1386
+  _globals['_EXPORTBLOCKSREQUEST']._serialized_end=1463
+  _globals['_BLOCKTRANSFERHEADER']._serialized_start=1466
+  _globals['_BLOCKTRANSFERHEADER']._serialized_end=1611
+  _globals['_BLOCKTRANSFERCHUNK']._serialized_start=1613
+  _globals['_BLOCKTRANSFERCHUNK']._serialized_end=1713
+  _globals['_IMPORTBLOCKSRESPONSE']._serialized_start=1715
+  _globals['_IMPORTBLOCKSRESPONSE']._serialized_end=1772
+  _globals['_GETSTATSREQUEST']._serialized_start=1774
+  _globals['_GETSTATSREQUEST']._serialized_end=1791
+  _globals['_GETSTATSRESPONSE']._serialized_start=1794
+  _globals['_GETSTATSRESPONSE']._serialized_end=2044
+  _globals['_ATTENTIONSERVER']._serialized_start=2047
+  _globals['_ATTENTIONSERVER']._serialized_end=3030
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch
 
 from infinite_llm.core.block_pool import Reservation
-from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound
+from infinite_llm.core.errors import FailedPrecondition, InfiniteLLMError, InvalidRequest, NotFound
 from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as pb_grpc
@@ -143,30 +143,39 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         """A step whose layers travel on a tensor channel, served on the channel's thread from its plan to
         its last layer (no per-layer hop through the event loop). A cancelled stream closes the channel,
         which unblocks its thread; the compute instance opens another. Raises the failed layer's error."""
-        channel = self._channels().get(open_msg.tensor_channel)
         layout = self.holder.layout
-        sizes = tc.StepSizes(
-            num_tokens=sum(s.num_new for s in open_msg.seqs),
-            num_heads=open_msg.num_heads,
-            num_kv_rows=open_msg.num_kv_rows,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            dtype=layout.dtype,
-        )
-        channel.check_sizes(sizes)
+        try:  # a step that cannot be served closes the channel: the peer's wait fails now, not at its timeout
+            channel = self._channels().get(open_msg.tensor_channel)
+            sizes = tc.StepSizes(
+                num_tokens=sum(s.num_new for s in open_msg.seqs),
+                num_heads=open_msg.num_heads,
+                num_kv_rows=open_msg.num_kv_rows,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                dtype=codec.dtype_from_name(open_msg.dtype, field="dtype") if open_msg.dtype else layout.dtype,
+            )
+            channel.check_sizes(sizes)
+        except InfiniteLLMError:
+            self._discard(open_msg.tensor_channel)
+            raise
+        served = threading.Event()  # set once the step's last reply is queued (or the step failed)
         future = asyncio.get_running_loop().run_in_executor(
-            channel.thread, self._serve_channel_step, channel, open_msg, sizes
+            channel.thread, self._serve_channel_step, channel, open_msg, sizes, served
         )
         try:
             error = await future
         except asyncio.CancelledError:
+            if not served.is_set():  # the thread may wait for a layer that will never come
+                self._discard(open_msg.tensor_channel)
+            raise
+        except Exception:  # the channel broke: closing it fails the peer's wait now, not at its timeout
             self._discard(open_msg.tensor_channel)
             raise
         if error is not None:
             raise error
 
     def _serve_channel_step(
-        self, channel: TensorChannel, open_msg: pb.StepOpen, sizes: tc.StepSizes
+        self, channel: TensorChannel, open_msg: pb.StepOpen, sizes: tc.StepSizes, served: threading.Event
     ) -> Exception | None:
         """Channel thread: plan the step (its error answers layer 0), then serve every layer."""
         seqs = [SeqStep(s.seq_id, s.num_computed_tokens, s.num_new) for s in open_msg.seqs]
@@ -192,13 +201,16 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
                 self.on_attend_step(time.perf_counter() - start)
             return lse, out
 
-        return channel.serve_step(open_msg.step_id, self.holder.layout.num_layers, sizes, attend)
+        try:
+            return channel.serve_step(open_msg.step_id, self.holder.layout.num_layers, sizes, attend)
+        finally:
+            served.set()
 
     def _discard(self, channel_id: str) -> None:
         try:
             self._channels().close(channel_id)
-        except NotFound:
-            pass  # closed meanwhile (CloseTensorChannel)
+        except InfiniteLLMError:
+            pass  # closed meanwhile (CloseTensorChannel), or this server takes no channels
 
     # ---- tensor channels ----------------------------------------------------------------------------
     def _channels(self) -> TensorChannels:

@@ -29,7 +29,12 @@ OnRpc = Callable[[str, float], None]
 
 
 def step_open(
-    step_id: int, seqs: list[SeqStep], num_heads: int, tensor_channel: str = "", num_kv_rows: int = 0
+    step_id: int,
+    seqs: list[SeqStep],
+    num_heads: int,
+    tensor_channel: str = "",
+    num_kv_rows: int = 0,
+    dtype: str = "",
 ) -> apb.AttendStreamRequest:
     """The first message of a step's stream to one server."""
     return apb.AttendStreamRequest(
@@ -38,6 +43,7 @@ def step_open(
             num_heads=num_heads,
             tensor_channel=tensor_channel,
             num_kv_rows=num_kv_rows,
+            dtype=dtype,
             seqs=[
                 apb.StepSeq(seq_id=s.seq_id, num_computed_tokens=s.num_computed_tokens, num_new=s.num_new) for s in seqs
             ],
@@ -108,6 +114,8 @@ class GrpcTransport:
         self.timeout_s = timeout_s
         self._on_rpc = on_rpc
         self._steps: dict[int, dict[HolderId, StepStream]] = {}
+        self.dtype = ""  # the dtype name channel steps declare (set by a transport with channels)
+        self._ending: list = []  # calls of closed good steps, kept until they end (dropping one cancels it)
 
     def open_step(
         self,
@@ -123,7 +131,7 @@ class GrpcTransport:
             # A channel step's buffers are sized by num_kv_rows: without it, the tensors travel inline.
             channel = self.tensor_channel(server) if num_kv_rows is not None else ""
             rows = num_kv_rows[server] if num_kv_rows is not None else 0
-            stream.outbox.put(step_open(step_id, seqs, num_heads, channel, rows))
+            stream.outbox.put(step_open(step_id, seqs, num_heads, channel, rows, self.dtype if channel else ""))
             stream.call = self.stubs.get(server).AttendStream(stream.requests(), timeout=self.timeout_s)
             streams[server] = stream
 
@@ -152,8 +160,17 @@ class GrpcTransport:
             self._on_rpc(server, time.perf_counter() - sent_at)
 
     def close_step(self, step_id: int, failed: bool) -> None:
-        """Half-close every stream of the step; a failed step also cancels them (the servers drop their plans)."""
+        """Half-close every stream of the step; a failed step also cancels them (the servers drop their plans).
+
+        The calls of a good step are kept until they end on their own: dropping a call cancels it, and a
+        server still finishing its step (a channel step answers its last layer before its stream ends) would
+        take that for a failure."""
+        self._ending = [call for call in self._ending if not call.done()]  # type: ignore[attr-defined]
         for stream in self._steps.pop(step_id, {}).values():
             stream.outbox.put(None)
-            if failed and stream.call is not None:
+            if stream.call is None:
+                continue
+            if failed:
                 stream.call.cancel()  # type: ignore[attr-defined]
+            else:
+                self._ending.append(stream.call)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from infinite_llm.core.dist_attention import HolderId, LayerInput, Partial
-from infinite_llm.core.errors import InfiniteLLMError, Unavailable
+from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, Unavailable
 from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.rpc import codec
@@ -88,6 +88,8 @@ class TorchTransport(GrpcTransport):
         timeout_s: deadline of a step's stream, and of every receive on a channel (seconds).
         on_rpc: told each server's seconds per layer (metrics).
         open_timeout_s: the most a channel may take to form before its server falls back to gRPC.
+
+    Channel steps declare the dtype of their tensors, learnt from the first step, which travels inline.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class TorchTransport(GrpcTransport):
         super().__init__(address_of, timeout_s, on_rpc)
         self.device = torch.device(device)
         self.backend = tc.backend_for(self.device)
+
         self.open_timeout_s = open_timeout_s
         self.fallbacks: dict[HolderId, tuple[str, str]] = {}  # server -> (its address, why gRPC carries tensors)
         self._address_of = address_of
@@ -119,6 +122,10 @@ class TorchTransport(GrpcTransport):
         num_kv_rows: Mapping[HolderId, int] | None = None,
     ) -> None:
         self._opening = {}
+        if not self.dtype:  # a channel step's sizes need the dtype: the first step travels inline
+            num_kv_rows = None
+            for server in plans:
+                self._channel(server)  # the pairs form now, for the next steps
         try:
             super().open_step(step_id, plans, num_heads, num_kv_rows)  # names channels via tensor_channel()
         finally:
@@ -134,6 +141,8 @@ class TorchTransport(GrpcTransport):
     def attend(self, step_id: int, layer: int, inputs: Mapping[HolderId, LayerInput]) -> dict[HolderId, Partial]:
         """Every server's bytes first (they compute concurrently), then collect."""
         streams, channels = self._steps[step_id], self._step_channels.get(step_id, {})
+        if not self.dtype and inputs:
+            self.dtype = codec.dtype_name(next(iter(inputs.values())).query.dtype)
         posted: dict[HolderId, PostedLayer] = {}
         for server, x in inputs.items():
             streams[server].sent_at = time.perf_counter()
@@ -156,6 +165,8 @@ class TorchTransport(GrpcTransport):
         n, h, d = x.query.shape  # query [num_tokens, num_heads, head_dim]
         _, hkv, _ = x.key.shape  # key, value [num_kv_rows, num_kv_heads, head_dim]
         sizes = tc.StepSizes(n, h, x.key.shape[0], hkv, d, x.query.dtype)
+        if codec.dtype_name(x.query.dtype) != self.dtype:
+            raise InvalidRequest(f"a layer of {x.query.dtype} on a transport declared for {self.dtype}")
         sent = channel.group.send(
             [tc.pack([x.query, x.key, x.value], channel.device)], 1, tc.layer_tag(step_id, layer, tc.TO_SERVER)
         )

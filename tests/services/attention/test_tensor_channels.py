@@ -114,3 +114,38 @@ def test_a_bad_layer_on_a_channel_is_invalid_argument_and_the_next_step_on_the_p
         time.sleep(0.05)  # the retired channels close in the background
     assert [len(s.channels) for s in steps.servicers] == [1, 1]
     transport.close()
+
+
+def test_forty_good_steps_keep_each_pairs_channel_open(make_server):
+    """A good step's stream must end on its own: a dropped call is a cancel, which would close the channel
+    under a server still finishing the step (the next step then fails and recomputes)."""
+    layout = KVLayout(3, 4, 2, 8)
+    servers = {sid: make_server(12, layout, sid, "torch") for sid in ("A", "B")}
+    pairs = {sid: Pair(stub, 12, layout, address=server.address) for sid, (server, stub) in servers.items()}
+    steps = Steps(pairs, layout, NUM_HEADS)
+    steps.servicers = [server.servicer for server, _ in servers.values()]
+    transport = steps.transport.remote = TorchTransport(lambda s: pairs[s].address, timeout_s=TIMEOUT)
+    steps.place("c", ["A", "B"] * 6)  # 12 rBlocks: 48 tokens
+    steps.step([SeqStep("c", 0, 4)])  # the first step travels inline (the dtype is learnt from it)
+    steps.step([SeqStep("c", 4, 1)])
+    opened = {s: c.channel_id for s, c in transport._channels.items()}
+    for n in range(5, 45):  # 40 decode steps over every rBlock of "c"
+        steps.step([SeqStep("c", n, 1)])
+    assert {s: c.channel_id for s, c in transport._channels.items()} == opened and set(opened) == {"A", "B"}
+    assert [len(s.channels) for s in steps.servicers] == [1, 1]
+    transport.close()
+
+
+def test_a_channel_step_in_another_dtype_than_the_layout_is_invalid_argument_not_a_hang(make_server):
+    layout = KVLayout(3, 4, 2, 8)  # fp32 servers
+    steps = _steps(make_server, layout, "torch", torch_transport=True)
+    steps.step(STEPS[0])
+    transport = steps.transport.remote
+    transport.dtype = "bfloat16"  # a compute instance whose model runs in bf16
+    t = sum(s.num_new for s in STEPS[1])
+    q, k, v = (torch.randn(t, h, 8, dtype=torch.bfloat16) for h in (NUM_HEADS, 2, 2))
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match="query is torch.bfloat16"), steps.dist.prepare(STEPS[1], NUM_HEADS) as a:
+        a(0, q, k, v)
+    assert time.monotonic() - started < 5  # refused at once (the channels' timeout is 30 s)
+    transport.close()
