@@ -19,6 +19,7 @@ from rich.table import Table
 from infinite_llm.cli_tls import HealthPort, Insecure, TlsDir, setup_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
+from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 
 err = Console(stderr=True, soft_wrap=True)
 serve_app = typer.Typer(no_args_is_help=True, help="Run one service of the mesh.")
@@ -77,6 +78,14 @@ def device_option(text: str) -> str:
 
 
 MetricsPort = Annotated[int, typer.Option(help="Serve Prometheus /metrics on this HTTP port (0 = off).")]
+ShutdownGrace = Annotated[
+    float,
+    typer.Option(
+        help="Seconds the requests in flight get to finish after SIGTERM (new ones are refused and health says "
+        "NOT_SERVING at once); match the pod's terminationGracePeriodSeconds.",
+        min=0,
+    ),
+]
 
 
 def _size(text: str) -> int:
@@ -120,6 +129,7 @@ def serve_attention(
     metrics_port: MetricsPort = 0,
     transport: Transport = "grpc",
     node_name: NodeName = "",
+    shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
     health_port: HealthPort = 0,
@@ -142,6 +152,7 @@ def serve_attention(
         advertise_host=advertise_host,
         metrics_port=metrics_port,
         node_name=split_ids([node_name], "--node-name")[0] if node_name else "",
+        grace_s=shutdown_grace,
     )
     setup_tls("attention", tls_dir, insecure, health_port)
     sys.exit(main(config))
@@ -198,6 +209,7 @@ def serve_manager(
         float, typer.Option(help="Seconds between two looks at the pool.", rich_help_panel="Elastic attention pool")
     ] = 5.0,
     metrics_port: MetricsPort = 0,
+    shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
     health_port: HealthPort = 0,
@@ -228,6 +240,7 @@ def serve_manager(
             member_ttl_s=member_ttl,
             autoscale=autoscale,
             metrics_port=metrics_port,
+            shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -270,6 +283,7 @@ def serve_compute(
             envvar="INFINITE_LLM_MIGRATION_TOKENS_PER_STEP",
         ),
     ] = 16,
+    shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
     health_port: HealthPort = 0,
@@ -299,6 +313,7 @@ def serve_compute(
             node_name=node,
             advertise_host=advertise_host,
             migration_tokens_per_step=migration_tokens_per_step,
+            shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -331,6 +346,7 @@ def serve_router(
             rich_help_panel="Security",
         ),
     ] = None,
+    shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
     health_port: HealthPort = 0,
@@ -349,6 +365,7 @@ def serve_router(
             manager_address=manager,
             discovery_interval_s=discovery_interval,
             api_keys=tuple(api_key or ()),
+            shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -383,6 +400,7 @@ def serve_gateway(
     ssl_keyfile: Annotated[
         str | None, typer.Option(help="The key of --ssl-certfile (PEM).", rich_help_panel="Security")
     ] = None,
+    shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
 ) -> None:
@@ -399,6 +417,7 @@ def serve_gateway(
             special_tokens_in_messages=special_tokens_in_messages,
             ssl_certfile=ssl_certfile,
             ssl_keyfile=ssl_keyfile,
+            shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
+from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.tls import TLS_DIR_ENV, TlsConfig, load_tls_dir
 from infinite_llm.state.etcd_launcher import EtcdProcess, free_port, start_etcd
 
@@ -62,6 +63,7 @@ class MeshConfig:
     discovery_interval_s: float = 1.0  # how often the router re-reads the manager's compute instances
     tls_dir: str | None = field(default_factory=lambda: os.environ.get(TLS_DIR_ENV) or None)  # None: make a CA
     insecure: bool = False  # plaintext gRPC everywhere (local experiments)
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S  # each service's --shutdown-grace (seconds)
 
     def __post_init__(self) -> None:
         if self.attention_servers < 1 or self.compute_instances < 1:
@@ -271,6 +273,7 @@ class LocalMesh:
         cmd += ["--insecure"] if self.tls_dir is None else ["--tls-dir", str(self.tls_dir)]
         if role == "compute":
             cmd += ["--instance-id", name]
+        cmd += ["--shutdown-grace", str(self.config.shutdown_grace_s)]
         metrics_address = f"{HOST}:{port}"  # the gateway serves /metrics on its own HTTP port
         if role != "gateway":
             metrics_port = free_port()
@@ -318,10 +321,12 @@ class LocalMesh:
                 raise Unavailable(f"manager does not list {n} compute instances after {timeout_s:.0f} s")
             time.sleep(0.2)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """Stop in stages, front to back (gateway and router drain their streams while the services behind
         them still answer, then compute instances, attention servers, the manager, etcd): SIGTERM each stage,
-        SIGKILL what is left of it after ``grace_s``. The log directory is removed unless ``keep_logs``."""
+        SIGKILL what is left of it after ``grace_s`` (default: the services' shutdown grace + 5 s). The log
+        directory is removed unless ``keep_logs``."""
+        grace_s = self.config.shutdown_grace_s + 5.0 if grace_s is None else grace_s
         for roles in (("gateway", "router"), ("compute",), ("attention",), ("manager",)):
             stage = [p for p in self.procs if p.role in roles]
             for p in stage:

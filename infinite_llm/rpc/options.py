@@ -23,6 +23,9 @@ RECONNECT_BACKOFF_MS = (250, 2_000)  # first, most
 
 DEFAULT_TIMEOUT_S = 30.0  # deadline of a call that names none (DESIGN.md §4: every call has a deadline)
 DEFAULT_GRACE_S = 5.0  # server.stop(grace): in-flight calls get this long to finish
+# After SIGTERM a service process refuses new calls (health NOT_SERVING) and gives those in flight this long
+# to finish (seconds): the pods' terminationGracePeriodSeconds. ``serve ... --shutdown-grace``.
+SHUTDOWN_GRACE_S = 30.0
 
 Options = list[tuple[str, int | str]]
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 from kubernetes.utils import parse_quantity
 
-from infinite_llm.rpc.options import DEFAULT_GRACE_S
-from infinite_llm.services.gateway.server import SHUTDOWN_GRACE_S
+from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 
 from .conftest import RENDERS
 from .manifests import (
@@ -41,12 +40,13 @@ IMAGE = {
     "production": "infinite-llm:0.1.0",
     "gpu+attention-host-memory": "infinite-llm:0.1.0-cuda",
 }
-# Seconds a service takes to stop after SIGTERM: its own drain (gRPC grace, or uvicorn's for the gateway).
+# Seconds a service takes to stop after SIGTERM: its own drain (--shutdown-grace: gRPC's grace, or uvicorn's
+# for the gateway).
 DRAIN_S = {
-    "manager": DEFAULT_GRACE_S,
-    "attention-server": DEFAULT_GRACE_S,
-    "compute": DEFAULT_GRACE_S,
-    "router": DEFAULT_GRACE_S,
+    "manager": SHUTDOWN_GRACE_S,
+    "attention-server": SHUTDOWN_GRACE_S,
+    "compute": SHUTDOWN_GRACE_S,
+    "router": SHUTDOWN_GRACE_S,
     "gateway": SHUTDOWN_GRACE_S,
     "state-store": 0,
 }

@@ -1,7 +1,8 @@
 """Faults under load leave no orphans (issue 11): after a compute instance SIGKILL, a manager SIGKILL and
 restart, an etcd restart, and an attention server paused past its lease, the ledger is empty and every rBlock
 is free again within one lease period of the requests ending; requests that outlive a manager or etcd outage,
-or a paused server, finish with the undisturbed greedy output. Each test prints its figures."""
+or a paused server, finish with the undisturbed greedy output; a router told to stop (SIGTERM) refuses new
+requests and lets those in flight finish. Each test prints its figures."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import time
 import pytest
 
 from infinite_llm.client import Client
-from infinite_llm.mesh import LocalMesh
+from infinite_llm.client.errors import Unavailable
+from infinite_llm.mesh import LocalMesh, health_check
 from infinite_llm.services.admin import cluster_state
 from infinite_llm.state.etcd_launcher import start_etcd
 from tests.e2e.conftest import all_blocks_free, mesh_config, wait_until
@@ -156,3 +158,24 @@ def test_attention_server_paused_past_its_lease_is_fenced_and_rejoins_empty(faul
     assert wait_until(lambda: "fenced" in victim.log_path.read_text(errors="replace"), 2 * TTL_S)
     mesh.wait_registered(len(mesh.attention_servers()))
     print(f"attention SIGSTOP {3 * TTL_S} s: no orphans {seconds_to_clean(mesh, 4 * TTL_S):.1f} s after the streams")
+
+
+def test_sigterm_to_the_router_refuses_new_requests_and_lets_streams_in_flight_finish(fault_mesh):
+    mesh = fault_mesh
+    ref = references(mesh, max_tokens=32)
+    streams = Streams(mesh, PROMPTS, max_tokens=32)
+    streams.wait_tokens(2)
+    (router,) = [p for p in mesh.procs if p.role == "router"]
+    router.popen.terminate()
+    stopping_at = time.monotonic()
+    assert wait_until(lambda: not health_check(router.address, tls=mesh.tls("client")), 5)
+    with Client(mesh.router_address) as client, pytest.raises(Unavailable):
+        client.generate("Hello", max_tokens=2, timeout=10)
+    streams.join()
+    assert streams.errors == [None, None]
+    assert streams.tokens == ref  # every token of the requests in flight arrived
+    assert router.popen.wait(timeout=mesh.config.shutdown_grace_s) == 0
+    print(f"router SIGTERM: streams in flight finished, router exited {time.monotonic() - stopping_at:.1f} s later")
+    mesh.respawn(router)
+    with Client(mesh.router_address) as client:
+        assert wait_until(lambda: _serves(client), 60)

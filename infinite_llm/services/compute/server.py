@@ -25,6 +25,7 @@ from infinite_llm.engine import EngineConfig, LLMEngine
 from infinite_llm.observability.metrics import EngineMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import compute_instance_pb2, compute_instance_pb2_grpc
+from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.compute.engine_loop import EngineLoop
 from infinite_llm.services.compute.migration import MigrationExecutor
@@ -57,6 +58,7 @@ class ComputeConfig:
     node_name: str = ""  # this instance's node: attention servers registered with it are homes too
     advertise_host: str = ""  # host the router reaches this instance at (default: host)
     migration_tokens_per_step: int = 16  # KV tokens a live migration moves between two steps (0 = refuse orders)
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, requests in flight get this long (seconds)
 
     def __post_init__(self) -> None:
         if not self.manager_address:
@@ -139,7 +141,7 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     await registrar.stop()  # routers stop sending new requests; the running ones drain below
-    await server.stop()
+    await server.stop(config.shutdown_grace_s)
     loop.stop()
 
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from infinite_llm.observability.tracing import setup_tracing
+from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "INFINITE_LLM_API_KEY"
-SHUTDOWN_GRACE_S = 10  # open streams get this long to finish on SIGTERM (seconds)
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class GatewayConfig:
     special_tokens_in_messages: bool = False
     ssl_certfile: str | None = None  # serve HTTPS with this certificate and key (PEM); None: HTTP
     ssl_keyfile: str | None = None
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, open streams get this long (seconds)
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -81,7 +82,7 @@ async def serve(config: GatewayConfig) -> None:
             port=config.port,
             loop="asyncio",
             lifespan="on",
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            timeout_graceful_shutdown=round(config.shutdown_grace_s),
             log_level="info",
             ssl_certfile=config.ssl_certfile,
             ssl_keyfile=config.ssl_keyfile,

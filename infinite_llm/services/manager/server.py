@@ -13,6 +13,7 @@ from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.observability.metrics import ManagerMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
+from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, DrainGuard, KubernetesScaler
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
@@ -39,6 +40,7 @@ class ManagerServerConfig:
     leader_ttl_s: int = 10
     acquire_timeout_s: float = 60.0
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, calls in flight get this long (seconds)
     autoscale: AutoscaleSettings | None = None  # scale the attention StatefulSet (in a Kubernetes pod only)
 
     def __post_init__(self) -> None:
@@ -98,6 +100,6 @@ async def serve(config: ManagerServerConfig) -> None:
     await manager.rebalancer.stop()
     if autoscaler is not None:
         await autoscaler.stop()
-    await server.stop()
+    await server.stop(config.shutdown_grace_s)
     await manager.stop()
     await store.close()

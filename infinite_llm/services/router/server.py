@@ -18,6 +18,7 @@ from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import router_pb2, router_pb2_grpc
 from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
 from infinite_llm.rpc.interceptors.api_key import ApiKeyInterceptor
+from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.router.discovery import DEFAULT_INTERVAL_S, ComputeDiscovery
 from infinite_llm.services.router.servicer import RouterServicer
@@ -39,6 +40,7 @@ class RouterConfig:
     manager_address: str = ""  # discover compute instances from this global manager ('' = static only)
     discovery_interval_s: float = DEFAULT_INTERVAL_S
     api_keys: tuple[str, ...] = field(default_factory=tuple)
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, streams in flight get this long (seconds)
 
     def __post_init__(self) -> None:
         if not self.compute_addresses and not self.manager_address:
@@ -80,6 +82,7 @@ async def serve(config: RouterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop()
+    log.info("router stopping: new requests refused, %d s for those in flight", config.shutdown_grace_s)
+    await server.stop(config.shutdown_grace_s)
     if discovery is not None:
         await discovery.stop()
