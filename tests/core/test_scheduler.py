@@ -150,3 +150,45 @@ def test_a_running_sequence_refused_a_new_block_fails_alone_and_frees_its_blocks
     assert [(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in out.scheduled] == [("b", 3, 1)]
     assert out.failed == [a] and out.preempted == [] and a.finish_reason == "error"
     assert kv.block_table("a") == [] and kv.num_free_blocks == 15 and sched.running == [b]
+
+
+class _Outage:
+    """A placement whose manager is unreachable while ``down``: ``place`` raises ``Unavailable``."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.down = inner, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def place(self, seq_id, n, first_index):
+        from infinite_llm.core.errors import Unavailable
+
+        if self.down:
+            raise Unavailable("manager unreachable")
+        return self.inner.place(seq_id, n, first_index)
+
+
+def test_an_unreachable_placement_defers_only_the_sequences_that_need_new_blocks():
+    sched, kv = _sched(num_blocks=16, budget=16)
+    kv.placement = outage = _Outage(kv.placement)
+    a, b = _seq("a", 4, max_tokens=8), _seq("b", 2, max_tokens=8)
+    for s in (a, b):
+        sched.add(s)
+    _run(sched, sched.schedule())  # a: 4 tokens = 1 full rBlock; b: 2 tokens of its rBlock
+    outage.down = True
+    sched.add(_seq("c", 3))
+    out = sched.schedule()
+    # a needs a new rBlock for its 5th token: it waits, keeping its KV; b steps on; c is not admitted.
+    assert [(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in out.scheduled] == [("b", 2, 1)]
+    assert (out.preempted, out.failed, a.status, a.num_computed_tokens) == ([], [], SequenceStatus.RUNNING, 4)
+    assert [s.seq_id for s in sched.waiting] == ["c"]
+    _run(sched, out)
+    outage.down = False
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in out.scheduled] == [
+        ("a", 4, 1),
+        ("b", 3, 1),
+        ("c", 0, 3),
+    ]
+    assert [b.block_id for b in kv.block_table("a")] == [0, 2]
