@@ -363,6 +363,11 @@ def test_client_timeout_on_a_unary_request_frees_every_block(mesh, tokenizer):
 
 
 def test_a_request_aborted_in_the_mesh_ends_the_stream_with_finish_reason_abort(oai, sdk, tokenizer, mesh):
+    """Only the request's owner may abort it through the router (test_mesh_security.py): here the gateway's
+    identity, as an operator holding the gateway's certificate would."""
+    from infinite_llm.rpc.tls import TLS_DIR_ENV, load_tls_dir
+
+    sdk = Client(mesh.router_address, tls=load_tls_dir(os.environ[TLS_DIR_ENV], "gateway"))
     stream = oai.chat.completions.create(
         model=DEFAULT_MODEL,
         messages=QUESTION,
@@ -372,7 +377,8 @@ def test_a_request_aborted_in_the_mesh_ends_the_stream_with_finish_reason_abort(
         extra_body={"ignore_eos": True},
     )
     first = next(stream)
-    assert sdk.abort(f"{first.id}-0") is True
+    with sdk:
+        assert sdk.abort(f"{first.id}-0") is True
     rest = list(stream)
     finishes = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
     assert finishes == ["abort"]
