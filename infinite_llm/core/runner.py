@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinite_llm.core.constraints import apply_constraints
 from infinite_llm.core.decode_graphs import DecodeGraphs
 from infinite_llm.core.dist_attention import StepAttention
 from infinite_llm.core.logits_processors import SeqTokens, apply_processors
@@ -73,7 +74,8 @@ class ModelRunner:
         logits = logits[len(prompt_rows) :]  # (num_sampling_seqs, vocab)
         params = [s.seq.params for s in sampling]
         seqs = [SeqTokens(s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.stop_ids) for s in sampling]
-        tokens = sample(apply_processors(logits, params, seqs), params, [len(s.seq.output_token_ids) for s in sampling])
+        processed = apply_constraints(apply_processors(logits, params, seqs), [s.seq.constraint for s in sampling])
+        tokens = sample(processed, params, [len(s.seq.output_token_ids) for s in sampling])
         result.tokens = {s.seq.seq_id: t for s, t in zip(sampling, tokens, strict=True)}
         result.logprobs = _sampled_logprobs(logits, sampling, tokens)
         return result

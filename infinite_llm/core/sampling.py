@@ -46,6 +46,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    # Structured output: the text must match this JSON schema (JSON text; '{"type": "object"}' for any
+    # object). The engine compiles it to a token constraint (core/constraints.py) when the request arrives.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from infinite_llm.core.constraints import TokenConstraint
 from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, KVCapacityExceeded, NotFound, Unavailable
 from infinite_llm.core.logprobs import TokenLogprob
 from infinite_llm.core.sampling import SamplingParams
@@ -73,6 +74,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_ids: tuple[int, ...] = ()  # token ids that end it (EOS unless ignore_eos, stop_token_ids)
+    constraint: TokenConstraint | None = None  # structured output: the tokens it may sample next
 
     @property
     def num_tokens(self) -> int:

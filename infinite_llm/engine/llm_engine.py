@@ -27,6 +27,7 @@ from infinite_llm.core.runner import ModelRunner, StepResult
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.core.scheduler import BlockManager, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from infinite_llm.engine.outputs import RequestOutput, TextStopper
+from infinite_llm.engine.structured import GrammarCompiler
 
 
 class KVBackend(BlockManager, Protocol):
@@ -89,6 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv.prepare, config.device, graphs)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)  # built on first use
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
@@ -133,6 +135,8 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         seq = Sequence(request_id, ids, params, stop_ids=eos + params.stop_token_ids)
+        if params.json_schema is not None:
+            seq.constraint = self.grammars.constraint(params.json_schema)
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq, self.tokenizer.detokenizer(ids), TextStopper(params.stop))
         return request_id
@@ -211,6 +215,8 @@ class LLMEngine:
             if token is None:
                 continue
             seq.output_token_ids.append(token)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
             if seq.params.logprobs is not None:
                 seq.output_logprobs.append(result.logprobs[seq.seq_id])
             results.append(self._on_token(self._requests[seq.seq_id], token))

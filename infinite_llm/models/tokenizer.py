@@ -79,20 +79,31 @@ class Tokenizer:
         """Whether the model ships a chat template."""
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ({"role", "content"} dicts) with the model's chat template.
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """Render ``messages`` ({"role", "content"} dicts, ``tool_calls`` too) with the model's chat template;
+        ``tools``: OpenAI function definitions, for templates that render them.
 
         Raises :class:`InvalidRequest` when the model has no chat template.
         """
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a plain completion prompt", param="messages")
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
+        )
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` list (and so knows a tool-call format of its own)."""
+        return "tools" in str(getattr(self.hf, "chat_template", None) or "")
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat; the template holds the special tokens, so none are added.
 
@@ -105,10 +116,10 @@ class Tokenizer:
         Raises :class:`InvalidRequest` when the model has no chat template, or when content holds
         special-token text and the template alters content so it cannot be kept apart.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         if special_tokens_in_content or not any(self._holds_special_text(m.get("content")) for m in messages):
             return self.encode(text, add_special_tokens=False)
-        return self._encode_chat_with_plain_content(messages, add_generation_prompt, text)
+        return self._encode_chat_with_plain_content(messages, add_generation_prompt, text, tools)
 
     def _holds_special_text(self, content: Any) -> bool:
         """Whether ``content`` spells any special added token (``all_special_tokens`` lists only the
@@ -118,7 +129,7 @@ class Tokenizer:
         return any(t.special and t.content in content for t in self.hf.added_tokens_decoder.values())
 
     def _encode_chat_with_plain_content(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, rendered: str
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, rendered: str, tools: list[dict] | None
     ) -> list[int]:
         """Render with a unique marker in place of each content, then encode the template's pieces with
         special tokens parsed and each content with them split into ordinary tokens."""
@@ -127,7 +138,7 @@ class Tokenizer:
             {**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(m.get("content"), str) else m
             for i, m in enumerate(messages)
         ]
-        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.apply_chat_template(marked, add_generation_prompt))
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.apply_chat_template(marked, add_generation_prompt, tools))
         # pieces alternate: template text, message index, template text, ...
         contents = [messages[int(i)]["content"] for i in pieces[1::2]]
         if "".join(p for pair in zip(pieces[::2], [*contents, ""], strict=True) for p in pair) != rendered:

@@ -34,6 +34,7 @@ def sampling_from_proto(p: gpb.SamplingParams) -> SamplingParams:
         "frequency_penalty": p.frequency_penalty,
         "logit_bias": dict(p.logit_bias),
         "min_tokens": p.min_tokens,
+        "json_schema": p.json_schema or None,
     }
     for name in _OPTIONAL:
         if p.HasField(name):
@@ -57,6 +58,7 @@ def sampling_to_proto(
     repetition_penalty: float | None = None,
     logit_bias: dict[int, float] | None = None,
     min_tokens: int = 0,
+    json_schema: str | None = None,
 ) -> gpb.SamplingParams:
     msg = gpb.SamplingParams(
         max_tokens=max_tokens,
@@ -67,6 +69,7 @@ def sampling_to_proto(
         frequency_penalty=frequency_penalty,
         logit_bias=logit_bias or {},
         min_tokens=min_tokens,
+        json_schema=json_schema or "",
     )
     optional = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "logprobs": logprobs}
     optional |= {"prompt_logprobs": prompt_logprobs, "repetition_penalty": repetition_penalty}

@@ -190,13 +190,13 @@ def _valid(http) -> None:
             "messages.0.role",
             None,
         ),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 1}, 400, "invalid_request_error", "logprobs", None),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "invalid_request_error", "logprobs", None),
         (
             "/v1/chat/completions",
-            {"messages": QUESTION, "logprobs": True},
+            {"messages": QUESTION, "top_logprobs": 2},
             400,
             "invalid_request_error",
-            "logprobs",
+            "top_logprobs",
             None,
         ),
         (
@@ -255,6 +255,8 @@ def test_bad_requests_get_an_openai_error_and_the_gateway_keeps_serving(http, pa
 def test_malformed_json_is_a_400(http):
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["param"] is None  # not the character offset FastAPI puts in the location
+    assert r.json()["error"]["message"].startswith("the request body is not valid JSON")
     _valid(http)
 
 

@@ -56,12 +56,13 @@ def test_frequency_presence_penalties_and_logit_bias_equal_a_greedy_loop_over_hf
 def test_min_tokens_holds_off_eos_as_hf_min_new_tokens_does(make_engine, hf_model):
     engine = make_engine(block_size=16, num_kv_blocks=64)
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Reply with the single word: yes"}])
-    (short,) = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0))
-    assert short.finish_reason == "stop" and len(short.token_ids) < 12
-    (held,) = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0, min_tokens=12))
+    (short,) = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0))
+    assert short.finish_reason == "stop"
+    n = len(short.token_ids) + 8  # EOS came before this
+    (held,) = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0, min_tokens=n))
     eos = list(engine.tokenizer.eos_token_ids)
-    ref = hf_generate(hf_model, ids, 40, min_new_tokens=12, eos_token_id=eos)
-    assert len(held.token_ids) >= 12
+    ref = hf_generate(hf_model, ids, 64, min_new_tokens=n, eos_token_id=eos)
+    assert len(held.token_ids) >= n
     assert held.token_ids == ref[: len(held.token_ids)]
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 

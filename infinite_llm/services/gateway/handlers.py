@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from infinite_llm.client.sdk import CompletionChunk
 from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest
-from infinite_llm.services.gateway import logprobs, params
+from infinite_llm.services.gateway import logprobs, params, tools
 from infinite_llm.services.gateway.backend import RouterBackend, gather_or_cancel, merged
 from infinite_llm.services.gateway.errors import error_body
 from infinite_llm.services.gateway.protocol import (
@@ -51,9 +51,15 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:  #
     return prompts
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer, special_tokens_in_content: bool = False) -> list[int]:  # noqa: ANN001
-    """The model's chat template over ``messages``, tokenized without adding special tokens. Content is plain
-    text (``<|im_end|>`` in a message is not the control token) unless ``special_tokens_in_content``."""
+def chat_prompt(
+    messages: list[ChatMessage],
+    tokenizer,  # noqa: ANN001
+    special_tokens_in_content: bool = False,
+    tool_plan: tools.ToolPlan | None = None,
+) -> list[int]:
+    """The model's chat template over ``messages`` (tool calls and tool results included, see ``tools``),
+    tokenized without adding special tokens. Content is plain text (``<|im_end|>`` in a message is not the
+    control token) unless ``special_tokens_in_content``."""
     rendered = []
     for i, m in enumerate(messages):
         content = m.content or ""
@@ -61,9 +67,18 @@ def chat_prompt(messages: list[ChatMessage], tokenizer, special_tokens_in_conten
             if any(part.type != "text" for part in content):
                 raise InvalidRequest("only text content parts are supported", param=f"messages.{i}.content")
             content = "".join(part.text or "" for part in content)
-        rendered.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        rendered.append(message)
+    rendered, template_tools = tools.render_history(rendered, tool_plan, tokenizer)
     return tokenizer.encode_chat(
-        rendered, add_generation_prompt=True, special_tokens_in_content=special_tokens_in_content
+        rendered,
+        add_generation_prompt=True,
+        special_tokens_in_content=special_tokens_in_content,
+        tools=template_tools,
     )
 
 
@@ -80,22 +95,27 @@ async def plan(
     params.reject_unsupported(req)
     card = await backend.model(req.model)
     chat = isinstance(req, ChatCompletionRequest)
+    tool_plan = tools.tool_plan(req.tools, req.tool_choice, backend.tokenizer) if chat else None
     if chat:
-        prompts = [chat_prompt(req.messages, backend.tokenizer, special_tokens_in_content)]
+        prompts = [chat_prompt(req.messages, backend.tokenizer, special_tokens_in_content, tool_plan)]
     else:
         prompts = completion_prompts(req, backend.tokenizer)
     max_tokens = min(params.max_tokens(req, len(p), card.max_model_len, chat) for p in prompts)
     echo = not chat and bool(req.echo)
+    sampling = params.sampling_kwargs(req, max_tokens)
+    if tool_plan is not None and tool_plan.json_schema is not None:
+        sampling["json_schema"] = tool_plan.json_schema
     return params.Plan(
         id=f"{prefix}-{uuid.uuid4().hex}",
         model=card.id,
         prompts=prompts,
         n=req.n or 1,
-        sampling=params.sampling_kwargs(req, max_tokens),
+        sampling=sampling,
         seed=req.seed,
         echo=echo,
         prompt_texts=echo_texts(req, prompts, backend.tokenizer) if echo else [],
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        tools=tool_plan,
     )
 
 
@@ -153,16 +173,21 @@ def completion_response(p: params.Plan, outs: list[CompletionChunk], tokenizer) 
     return CompletionResponse(id=p.id, created=int(time.time()), model=p.model, choices=choices, usage=_usage(p, outs))
 
 
+def chat_message(p: params.Plan, text: str, engine_reason: str | None) -> tuple[AssistantMessage, str]:
+    """The assistant message of a finished answer and its finish reason (``tool_calls`` when it calls)."""
+    reason = params.finish_reason(engine_reason)
+    if p.tools is None or not p.tools.calls_tools:
+        return AssistantMessage(content=text), reason
+    content, calls = tools.parse_calls(p.tools, text)
+    return AssistantMessage(content=content, tool_calls=calls or None), "tool_calls" if calls else reason
+
+
 def chat_response(p: params.Plan, outs: list[CompletionChunk], tokenizer) -> ChatCompletionResponse:  # noqa: ANN001
-    choices = [
-        ChatChoice(
-            index=i,
-            message=AssistantMessage(content=o.text),
-            logprobs=logprobs.chat_logprobs(tokenizer, o.logprobs) if p.logprobs else None,
-            finish_reason=params.finish_reason(o.finish_reason),
-        )
-        for i, o in enumerate(outs)
-    ]
+    choices = []
+    for i, o in enumerate(outs):
+        message, reason = chat_message(p, o.text, o.finish_reason)
+        lps = logprobs.chat_logprobs(tokenizer, o.logprobs) if p.logprobs else None
+        choices.append(ChatChoice(index=i, message=message, logprobs=lps, finish_reason=reason))
     return ChatCompletionResponse(
         id=p.id, created=int(time.time()), model=p.model, choices=choices, usage=_usage(p, outs)
     )
@@ -223,18 +248,26 @@ async def chat_chunks(
         usage = Usage.of(p.prompt_tokens, completion_tokens) if p.continuous_usage else None
         return ChatCompletionChunk(id=p.id, created=created, model=p.model, choices=[choice], usage=usage)
 
+    calling = p.tools is not None and p.tools.calls_tools
+    held: dict[int, str] = {}  # tool-calling answers are parsed whole: their text is held until the end
     async for i, chunk in events:
         completion_tokens += len(chunk.token_ids)
         if i not in started:
             started.add(i)
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")))
         lps = logprobs.chat_logprobs(tokenizer, chunk.logprobs) if p.logprobs and chunk.token_ids else None
-        if chunk.text or lps is not None:
+        if calling:
+            held[i] = held.get(i, "") + chunk.text
+        elif chunk.text or lps is not None:
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=chunk.text), logprobs=lps))
-        if chunk.finish_reason:
-            yield chunk_of(
-                ChatStreamChoice(index=i, delta=Delta(), finish_reason=params.finish_reason(chunk.finish_reason))
-            )
+        if not chunk.finish_reason:
+            continue
+        reason = params.finish_reason(chunk.finish_reason)
+        if calling:
+            message, reason = chat_message(p, held.pop(i, ""), chunk.finish_reason)
+            calls = [{"index": n, **c} for n, c in enumerate(message.tool_calls or [])]
+            yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=message.content, tool_calls=calls or None)))
+        yield chunk_of(ChatStreamChoice(index=i, delta=Delta(), finish_reason=reason))
     if include_usage:
         yield ChatCompletionChunk(
             id=p.id, created=created, model=p.model, choices=[], usage=Usage.of(p.prompt_tokens, completion_tokens)

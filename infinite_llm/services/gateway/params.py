@@ -9,11 +9,14 @@ choice gets a random seed in the mesh.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from infinite_llm.core.errors import ContextLengthExceeded, InvalidRequest
+from infinite_llm.engine.structured import grammar_of
 from infinite_llm.services.gateway.errors import RequestAborted
 from infinite_llm.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from infinite_llm.services.gateway.tools import ToolPlan
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 512
@@ -32,6 +35,7 @@ class Plan:
     echo: bool = False  # completions: the prompt's text (and its logprobs) come first in each choice
     prompt_texts: list[str] = field(default_factory=list)  # per prompt, for echo
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries usage so far
+    tools: ToolPlan | None = None  # chat with tools: how the answer becomes tool calls
 
     @property
     def logprobs(self) -> bool:
@@ -130,10 +134,10 @@ def _reject_completion_fields(req: CompletionRequest) -> None:
 def _reject_chat_fields(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
-    if req.tools or req.functions:
-        raise InvalidRequest("tools and function calling are not supported by this server", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise InvalidRequest("only response_format {'type': 'text'} is supported", param="response_format")
+    if req.functions:
+        raise InvalidRequest("functions (deprecated) are not supported; send tools", param="functions")
+    if req.tools and req.response_format and req.response_format.get("type", "text") != "text":
+        raise InvalidRequest("tools and a JSON response_format cannot be combined", param="response_format")
 
 
 def logprob_kwargs(req: SamplingFields, max_tokens: int) -> dict:
@@ -145,6 +149,35 @@ def logprob_kwargs(req: SamplingFields, max_tokens: int) -> dict:
     assert isinstance(req, CompletionRequest)
     scored = req.logprobs if req.logprobs is not None else (0 if max_tokens == 0 else None)
     return {"logprobs": req.logprobs, "prompt_logprobs": scored if req.echo else None}
+
+
+def json_schema(response_format: dict | None) -> str | None:
+    """The schema (JSON text) that ``response_format`` asks the output to match, checked here so that a
+    schema llguidance cannot enforce is a 400 before the mesh sees it; None for plain text.
+
+    ``json_object``: any JSON object. ``json_schema``: ``{"json_schema": {"name", "schema", "strict"}}``;
+    the schema is enforced whether or not ``strict`` is set (as vLLM does)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind != "json_schema":
+        raise InvalidRequest(
+            f"response_format type must be text, json_object or json_schema, got {kind!r}", param="response_format"
+        )
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+        raise InvalidRequest(
+            "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+            param="response_format.json_schema",
+        )
+    text = json.dumps(spec["schema"])
+    try:
+        grammar_of(text)
+    except InvalidRequest as e:
+        raise InvalidRequest(e.message, param="response_format.json_schema.schema") from None
+    return text
 
 
 def logit_bias(req: SamplingFields) -> dict[int, float]:
@@ -176,6 +209,7 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int) -> dict:
         "repetition_penalty": req.repetition_penalty,
         "logit_bias": logit_bias(req),
         "min_tokens": req.min_tokens,
+        "json_schema": json_schema(req.response_format),
         **logprob_kwargs(req, max_tokens),
     }
 

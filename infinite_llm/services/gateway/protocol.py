@@ -52,6 +52,7 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int = Field(0, ge=0)
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (vLLM: completions too)
 
 
 class CompletionRequest(SamplingFields):
@@ -72,6 +73,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: {"id", "type", "function": {"name", "arguments"}}
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -79,8 +82,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none, auto (default with tools), required, a function
+    parallel_tool_calls: bool | None = None  # required may call several; a named function is one call
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------------------
@@ -125,7 +129,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # left out when None, as OpenAI does
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):  # noqa: ANN001, ANN202
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class TopLogprob(BaseModel):
@@ -163,6 +175,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each with its "index" among the choice's calls
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):  # noqa: ANN001, ANN202

@@ -1,0 +1,164 @@
+"""Tool calls (OpenAI ``tools`` + ``tool_choice``): the prompt, the output constraint, and the parsed calls.
+
+- ``required`` and a named function are enforced by structured output (``engine/structured.py``), so they
+  work with any model: a named function's output is its ``arguments`` object (the function's JSON schema);
+  ``required`` is a JSON array of ``{"name", "parameters"}`` items, one schema per function (vLLM's form).
+- ``auto`` needs the model family's own tool-call format: templates that render ``tools`` and write
+  ``<tool_call>{"name", "arguments"}</tool_call>`` (Hermes, Qwen 2.5) are parsed; any other model is a 400.
+- ``none``: the tools are shown to the model and the answer is plain text.
+History: a template that renders ``tools`` gets them, and assistant ``tool_calls`` with ``arguments`` as
+objects (as HF templates expect, and vLLM passes them). A template that does not (SmolLM2's) gets the tool
+list in the system message and each assistant call as the JSON it would have written, so no turn is lost.
+Source: OpenAI's function-calling guide; vLLM ``entrypoints/openai/serving_chat.py`` and its Hermes parser.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from infinite_llm.core.errors import InvalidRequest
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools ask of the generation: ``mode`` is none/auto/required/named."""
+
+    mode: str
+    functions: dict[str, dict]  # name -> {"name", "description", "parameters"}
+    name: str | None = None  # the named function
+    json_schema: str | None = None  # the output constraint (required, named)
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.mode != "none"
+
+
+def tool_plan(tools: list[Any] | None, tool_choice: Any, tokenizer) -> ToolPlan | None:  # noqa: ANN001
+    """Validate ``tools``/``tool_choice`` and say how to honour them; None without tools. 400s name the field."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs a non-empty tools list", param="tool_choice")
+        return None
+    functions = _functions(tools)
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice in ("none", "auto", "required"):
+        if choice == "auto" and "<tool_call>" not in str(getattr(tokenizer.hf, "chat_template", "") or ""):
+            raise InvalidRequest(
+                "tool_choice 'auto' needs a model whose chat template defines a tool-call format, and this "
+                "model's does not; use tool_choice 'required' or name a function (both are enforced by a grammar)",
+                param="tool_choice",
+            )
+        schema = _required_schema(functions) if choice == "required" else None
+        return ToolPlan(choice, functions, json_schema=schema)
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if name not in functions:
+        raise InvalidRequest(
+            f"tool_choice must be none, auto, required or {{'type': 'function', 'function': {{'name': ...}}}} "
+            f"naming one of the tools {sorted(functions)}; got {choice!r}",
+            param="tool_choice",
+        )
+    return ToolPlan("named", functions, name, json.dumps(functions[name]["parameters"]))
+
+
+def _functions(tools: list[Any]) -> dict[str, dict]:
+    out = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest("each tool is {'type': 'function', 'function': {'name': ...}}", param=f"tools.{i}")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        out[fn["name"]] = {"name": fn["name"], "description": fn.get("description", ""), "parameters": params}
+    return out
+
+
+def _required_schema(functions: dict[str, dict]) -> str:
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"enum": [name]}, "parameters": fn["parameters"]},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, fn in functions.items()
+    ]
+    return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": items}})
+
+
+# ---- the prompt -------------------------------------------------------------------------------------------
+def render_history(messages: list[dict], plan: ToolPlan | None, tokenizer) -> tuple[list[dict], list[dict] | None]:  # noqa: ANN001
+    """``(messages for the template, tools for the template)``; see the module docstring."""
+    native = tokenizer.template_renders_tools
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            parsed = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in calls]
+            if native:
+                m = {**m, "tool_calls": [{**c, "function": p} for c, p in zip(calls, parsed, strict=True)]}
+            else:  # written as the model writes calls under ``required``
+                written = [{"name": p["name"], "parameters": p["arguments"]} for p in parsed]
+                m = {"role": m["role"], "content": (m.get("content") or "") + json.dumps(written)}
+        out.append(m)
+    if plan is None or native:
+        return out, ([{"type": "function", "function": f} for f in plan.functions.values()] if plan else None)
+    listing = "You can call these functions (JSON schemas of their parameters):\n" + json.dumps(
+        list(plan.functions.values())
+    )
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "content": f"{out[0]['content']}\n\n{listing}"}, *out[1:]], None
+    return [{"role": "system", "content": listing}, *out], None
+
+
+def _arguments(call: dict) -> Any:
+    """A history call's ``arguments`` (a JSON string in OpenAI's shape) as an object."""
+    args = call.get("function", {}).get("arguments", "{}")
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        raise InvalidRequest("an assistant tool call's arguments are not valid JSON", param="messages") from None
+
+
+# ---- the answer -------------------------------------------------------------------------------------------
+def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
+    """``(content, tool_calls in OpenAI's shape)`` of a finished answer; no calls when none parse."""
+    if plan.mode == "named":
+        return (None, [_call(plan.name, text)]) if _is_json(text) else (text, [])
+    if plan.mode == "required":
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []
+        return None, [_call(i["name"], json.dumps(i["parameters"])) for i in items]
+    if plan.mode == "auto":
+        calls = []
+        for found in HERMES_CALL.findall(text):
+            try:
+                call = json.loads(found)
+                calls.append(_call(call["name"], json.dumps(call.get("arguments", {}))))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+        content = HERMES_CALL.sub("", text).strip() if calls else text
+        return content or None, calls
+    return text, []
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }

@@ -1,0 +1,40 @@
+"""Token constraints: the bitmask layout, rows masked exactly, unconstrained rows untouched."""
+
+import torch
+
+from infinite_llm.core.constraints import apply_constraints, bitmask_words, unpack_bitmask
+
+
+class Allow:
+    """A constraint that allows a fixed set of token ids (the layout llguidance writes)."""
+
+    def __init__(self, *ids: int) -> None:
+        self.ids = ids
+        self.accepted: list[int] = []
+
+    def fill_bitmask(self, out: torch.Tensor) -> None:
+        out.zero_()
+        for t in self.ids:
+            out[t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+
+    def accept(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+
+def test_bit_t_mod_32_of_word_t_div_32_allows_token_t():
+    assert bitmask_words(70) == 3
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    Allow(0, 31, 32, 69).fill_bitmask(bitmask[0])
+    allowed = unpack_bitmask(bitmask, 70)
+    assert allowed.shape == (1, 70)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 31, 32, 69]
+
+
+def test_constrained_rows_keep_only_allowed_logits_and_others_are_untouched():
+    logits = torch.arange(140, dtype=torch.float32).reshape(2, 70)
+    assert apply_constraints(logits, [None, None]) is logits
+    out = apply_constraints(logits, [None, Allow(3, 40)])
+    assert torch.equal(out[0], logits[0])
+    assert out[1, 3].item() == 73.0 and out[1, 40].item() == 110.0
+    assert torch.isinf(out[1]).sum().item() == 68
+    assert not torch.isinf(logits).any()  # the raw logits stay intact (logprobs read them)

@@ -1,0 +1,92 @@
+"""Structured output through the real gateway of a local mesh, with the official ``openai`` client:
+``response_format`` ``json_object`` and ``json_schema`` (``strict``) answers always parse and validate, on
+chat and completions, unary and streamed; a schema that cannot be enforced is a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.test_gateway import API_KEY
+
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+            "celsius": {"type": "number"},
+        },
+        "required": ["city", "sky", "celsius"],
+    },
+    "tags": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4}},
+        "required": ["tags"],
+    },
+}
+QUESTION = [{"role": "user", "content": "Describe the weather in Paris today as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def oai(mesh):
+    return openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(mesh):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=f"http://{mesh.gateway_address}", timeout=300, trust_env=False, headers=headers) as c:
+        yield c
+
+
+def response_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+def test_json_schema_answers_parse_and_validate_for_every_schema_and_sampling(oai):
+    for name, schema in SCHEMAS.items():
+        for temperature in (0.0, 1.0):
+            reply = oai.chat.completions.create(
+                model="", messages=QUESTION, response_format=response_format(name), temperature=temperature, seed=5
+            )
+            assert reply.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+
+
+def test_json_object_streamed_and_on_completions(oai, http):
+    chunks = oai.chat.completions.create(
+        model="", messages=QUESTION, response_format={"type": "json_object"}, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(json.loads(text), dict)
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": "The weather in Paris as JSON:", "max_tokens": 120, "response_format": response_format("tags")},
+    )
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMAS["tags"])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "param"),
+    [
+        ({"type": "yaml"}, "response_format"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, None),
+    ],
+)
+def test_response_formats_that_cannot_be_enforced_are_400s(http, fmt, param):
+    r = http.post("/v1/chat/completions", json={"messages": QUESTION, "response_format": fmt})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == (param or "response_format.json_schema.schema")

@@ -1,0 +1,124 @@
+"""Tool calls through the real gateway of a local mesh with the official ``openai`` client (SmolLM2, whose
+chat template defines no tool-call format): a named function and ``required`` are enforced by the
+function's JSON schema, unary and streamed; ``auto`` is a 400 for this model; ``none`` answers in text;
+assistant tool calls and tool results in the history reach the prompt."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from infinite_llm.models.registry import load_tokenizer, resolve_model
+from tests.e2e.test_gateway import API_KEY
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def oai(mesh):
+    return openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def test_a_named_function_is_called_with_arguments_that_validate(oai):
+    reply = oai.chat.completions.create(model="", messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_required_calls_one_or_more_listed_functions_with_valid_arguments(oai):
+    for temperature in (0.0, 1.0):
+        reply = oai.chat.completions.create(
+            model="", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=temperature, seed=9
+        )
+        calls = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and calls
+        for call in calls:
+            fn = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
+            jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+
+
+def test_streamed_tool_calls_arrive_as_openai_deltas(oai):
+    chunks = list(
+        oai.chat.completions.create(
+            model="", messages=ASK, tools=[WEATHER], tool_choice=NAMED, temperature=0, stream=True
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    (delta,) = deltas
+    (call,) = delta.tool_calls
+    assert call.index == 0 and call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_is_a_400_for_a_model_without_a_tool_format_and_none_answers_in_text(oai):
+    for choice in ("auto", openai.NOT_GIVEN):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model="", messages=ASK, tools=[WEATHER], tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
+    reply = oai.chat.completions.create(
+        model="", messages=ASK, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=12
+    )
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+
+
+def test_tool_calls_and_results_in_the_history_reach_the_prompt(oai, default_model_path):
+    tokenizer = load_tokenizer(resolve_model(None))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    reply = oai.chat.completions.create(
+        model="", messages=history, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=4
+    )
+    listing = "You can call these functions (JSON schemas of their parameters):\n" + json.dumps(
+        [
+            {
+                "name": "get_weather",
+                "description": WEATHER["function"]["description"],
+                **{"parameters": WEATHER["function"]["parameters"]},
+            }
+        ]
+    )
+    expected = tokenizer.encode_chat(
+        [
+            {"role": "system", "content": listing},
+            *ASK,
+            {"role": "assistant", "content": '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'},
+            {"role": "tool", "content": "18 degrees and sunny"},
+        ]
+    )
+    assert reply.usage.prompt_tokens == len(expected)

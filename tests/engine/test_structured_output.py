@@ -1,0 +1,68 @@
+"""Structured output in the engine: every constrained output parses and validates against its schema, in
+one batch beside an unconstrained request whose tokens stay exactly what they are alone."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.sampling import SamplingParams
+
+SCHEMAS = [
+    {"type": "object"},
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {
+        "type": "object",
+        "properties": {"values": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3}},
+        "required": ["values"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "city": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 16}},
+                "required": ["name"],
+            },
+        },
+        "required": ["ok", "city"],
+    },
+]
+ASK = "Describe a person who lives in Paris as a JSON object."
+
+
+def test_every_constrained_output_parses_and_validates_and_the_unconstrained_one_is_unchanged(make_engine):
+    engine = make_engine(block_size=16, num_kv_blocks=256)
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": ASK}])
+    plain = SamplingParams(max_tokens=24, temperature=0)
+    (alone,) = engine.generate([prompt], plain)
+    constrained = [
+        SamplingParams(max_tokens=96, temperature=temperature, seed=3, json_schema=json.dumps(schema))
+        for schema in SCHEMAS
+        for temperature in (0.0, 0.7)
+    ]
+    outs = engine.generate([prompt] * (len(constrained) + 1), [plain, *constrained])
+    assert outs[0].token_ids == alone.token_ids
+    for params, out in zip(constrained, outs[1:], strict=True):
+        assert out.finish_reason == "stop", out.text  # EOS once the value is complete
+        jsonschema.validate(json.loads(out.text), json.loads(params.json_schema))
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+@pytest.mark.parametrize("schema", ["{not json", "[1, 2]", json.dumps({"type": "object", "minProperties": "x"})])
+def test_a_schema_that_cannot_be_enforced_is_an_invalid_request(make_engine, schema):
+    engine = make_engine(block_size=16, num_kv_blocks=32)
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("hi", SamplingParams(json_schema=schema))
+    assert e.value.param == "json_schema"
+    assert not engine.has_unfinished()

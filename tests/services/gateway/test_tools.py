@@ -1,0 +1,109 @@
+"""Tool calls at the gateway without a mesh: tool_choice validation, the Hermes format of ``auto``, the
+schemas of ``required`` and named calls, and how history is rendered for templates with and without tools."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.services.gateway.tools import parse_calls, render_history, tool_plan
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: an empty object
+
+
+class _HF:
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+
+
+class Tok:
+    """The two tokenizer attributes the tool code reads."""
+
+    def __init__(self, template: str) -> None:
+        self.hf = _HF(template)
+        self.template_renders_tools = "tools" in template
+
+
+CHATML = Tok("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}")
+HERMES = Tok("{% if tools %}<tools>{{ tools }}</tools>{% endif %}... <tool_call>{{ call }}</tool_call> ...")
+
+
+def test_auto_is_a_400_unless_the_template_defines_a_tool_call_format():
+    for choice in ("auto", None):
+        with pytest.raises(InvalidRequest) as e:
+            tool_plan([WEATHER], choice, CHATML)
+        assert e.value.param == "tool_choice"
+    assert tool_plan([WEATHER], "auto", HERMES).mode == "auto"
+
+
+def test_hermes_calls_are_parsed_and_the_rest_is_content():
+    plan = tool_plan([WEATHER, TIME], "auto", HERMES)
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls = parse_calls(plan, text)
+    assert content == "Let me check."
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"})
+    ]
+    assert calls[0]["id"].startswith("call_")
+    assert parse_calls(plan, "No tools needed.") == ("No tools needed.", [])
+
+
+def test_required_and_named_calls_are_constrained_by_the_functions_schemas():
+    required = tool_plan([WEATHER, TIME], "required", CHATML)
+    schema = json.loads(required.json_schema)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "parameters": {}}], schema)  # city is required
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)  # at least one call
+    content, calls = parse_calls(required, '[{"name": "get_time", "parameters": {}}]')
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time"]
+    named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, CHATML)
+    assert json.loads(named.json_schema) == WEATHER["function"]["parameters"]
+    assert parse_calls(named, '{"city": "Rome"}')[1][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Rome"}',
+    }
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "param"),
+    [
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        ([{"type": "function"}], "required", "tools.0"),
+        (None, "required", "tool_choice"),
+    ],
+)
+def test_bad_tools_or_tool_choice_are_400s_naming_the_field(tools, choice, param):
+    with pytest.raises(InvalidRequest) as e:
+        tool_plan(tools, choice, CHATML)
+    assert e.value.param == param
+
+
+def test_history_keeps_calls_and_results_with_or_without_a_tool_template():
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    plan = tool_plan([WEATHER], "required", CHATML)
+    messages, template_tools = render_history(history, plan, CHATML)
+    assert template_tools is None and messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
+    assert messages[2] == {"role": "assistant", "content": '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'}
+    assert messages[3] == history[2]
+    messages, template_tools = render_history(history, tool_plan([WEATHER], "auto", HERMES), HERMES)
+    assert template_tools == [WEATHER | {"function": {**WEATHER["function"]}}]
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
