@@ -7,8 +7,10 @@ the least loaded (fewest requests in flight through this router), turns rotate.
 
 Deadlines travel downstream (the compute call gets what is left of the caller's); a caller that goes away
 cancels the compute call, which aborts the request and frees its rBlocks. A compute instance that is
-unreachable before any token was sent is skipped for the next one; after that the stream fails with
-UNAVAILABLE (nothing hangs).
+unreachable before any token was sent (it died, or its queue is full) is skipped for the next one, under a
+fresh downstream request id (the dead one's rBlocks and ledger entry stay its own until the manager reclaims
+them; the caller still sees its id); after that the stream fails with UNAVAILABLE (nothing hangs). A request
+id already in flight here is refused.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class RouterServicer(rgrpc.RouterServicer):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self._owner: dict[str, tuple[_Instance, str]] = {}  # request id -> (its instance, its tenant)
+        # request id -> (its instance, its tenant, the id it has there)
+        self._owner: dict[str, tuple[_Instance, str, str]] = {}
         self.metrics = metrics or RouterMetrics(CollectorRegistry())
 
     # ---- compute instances --------------------------------------------------------------------------
@@ -150,21 +153,27 @@ class RouterServicer(rgrpc.RouterServicer):
         self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gpb.GenerateResponse]:
         request = self._validate(request)
+        rid = request.request_id
+        if rid in self._owner:
+            raise InvalidRequest(f"request id {rid[:64]!r} is already in flight", param="request_id")
         remaining = context.time_remaining()
         timeout = DEFAULT_TIMEOUT_S if remaining is None else max(remaining, 0.001)
         tried: set[str] = set()
         last_error: InfiniteLLMError | None = None
         while True:
             inst = self._pick(tried, last_error)
+            if tried:  # a retry: the instance that failed may still hold the old id's rBlocks
+                request.request_id = f"{rid[:200]}:retry-{uuid.uuid4().hex[:12]}"
             tried.add(inst.address)
             call = inst.stub.Generate(request, timeout=timeout)
             inst.in_flight += 1
             self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
-            self._owner[request.request_id] = (inst, tenant_of(context))
+            self._owner[rid] = (inst, tenant_of(context), request.request_id)
             sent = False
             try:
                 async for msg in call:
                     sent = True
+                    msg.request_id = rid
                     yield msg
                 return
             except grpc.RpcError as e:
@@ -179,7 +188,7 @@ class RouterServicer(rgrpc.RouterServicer):
                 call.cancel()  # no-op when finished; frees the request downstream when the caller left
                 inst.in_flight -= 1
                 self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
-                self._owner.pop(request.request_id, None)
+                self._owner.pop(rid, None)
                 self._close_if_idle(inst)
 
     async def GenerateStream(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -207,9 +216,9 @@ class RouterServicer(rgrpc.RouterServicer):
         owned = self._owner.get(request.request_id)
         if owned is None or owned[1] != tenant_of(context):
             return gpb.AbortResponse(aborted=False)
-        inst = owned[0]
+        inst, _, downstream_id = owned
         try:
-            return await inst.stub.Abort(request, timeout=10)
+            return await inst.stub.Abort(gpb.AbortRequest(request_id=downstream_id), timeout=10)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 

@@ -1,0 +1,112 @@
+"""The router retries a request on another compute instance when the first fails before its first token
+(under a fresh downstream id; the caller sees its own), fails it with UNAVAILABLE after one, and refuses a
+request id already in flight. Real gRPC servers on loopback, model-free compute instances."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
+from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
+from infinite_llm.pb.v1 import generate_pb2 as gpb
+from infinite_llm.pb.v1 import router_pb2 as rpb
+from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
+from infinite_llm.rpc.channels import aio_channel
+from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.services.router.servicer import RouterServicer
+
+
+class Compute(cgrpc.ComputeInstanceServicer):
+    """``mode``: "ok" answers two messages; "dead" fails UNAVAILABLE at once; "dies" after one message;
+    "slow" answers after a second. Remembers the request ids it was sent."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.ids = mode, []
+
+    async def Generate(self, request: gpb.GenerateRequest, context):  # noqa: N802, ANN001
+        self.ids.append(request.request_id)
+        if self.mode == "dead":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "compute instance gone")
+        if self.mode == "slow":
+            await asyncio.sleep(1.0)
+        yield gpb.GenerateResponse(request_id=request.request_id, token_ids=[1], text="a")
+        if self.mode == "dies":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "compute instance gone")
+        yield gpb.GenerateResponse(request_id=request.request_id, token_ids=[2], text="b", finish_reason="length")
+
+
+async def _serve(servicer):
+    service = Service.of(cpb, "ComputeInstance", cgrpc.add_ComputeInstanceServicer_to_server, servicer)
+    return await start_server([service], "127.0.0.1:0")
+
+
+async def _mesh(*modes: str):
+    computes = [Compute(m) for m in modes]
+    servers = [await _serve(c) for c in computes]
+    router = RouterServicer([f"127.0.0.1:{s.port}" for s in servers], "tiny", 2048, tokenizer=None)
+    rserver = await start_server([Service.of(rpb, "Router", rgrpc.add_RouterServicer_to_server, router)], "127.0.0.1:0")
+    stub = rgrpc.RouterStub(aio_channel(f"127.0.0.1:{rserver.port}"))
+    return computes, [*servers, rserver], stub
+
+
+def _request(rid: str) -> gpb.GenerateRequest:
+    return gpb.GenerateRequest(request_id=rid, text="hi", sampling=gpb.SamplingParams(max_tokens=2))
+
+
+def test_a_request_refused_before_its_first_token_is_retried_elsewhere_under_a_fresh_id():
+    async def scenario():
+        (dead, ok), servers, stub = await _mesh("dead", "ok")
+        try:
+            rids = ["req-a", "req-b", "req-c"]
+            for rid in rids:
+                reply = await stub.Generate(_request(rid), timeout=10)
+                assert (reply.request_id, list(reply.token_ids), reply.finish_reason) == (rid, [1, 2], "length")
+            assert dead.ids  # turns rotate: some went to the dead instance first
+            assert len(ok.ids) == len(rids) and len(set(ok.ids)) == len(rids)
+            for rid, seen in zip(rids, ok.ids, strict=True):  # each answered once, by ok
+                if rid in dead.ids:
+                    assert seen.startswith(rid + ":retry-") and len(seen) == len(rid) + 19
+                else:
+                    assert seen == rid
+        finally:
+            for s in servers:
+                await s.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_an_instance_that_dies_after_the_first_token_fails_the_stream_with_unavailable():
+    async def scenario():
+        (dies,), servers, stub = await _mesh("dies")
+        try:
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for msg in stub.GenerateStream(_request("req-c"), timeout=10):
+                    got.append((msg.request_id, list(msg.token_ids)))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert got == [("req-c", [1])] and dies.ids == ["req-c"]  # not retried: a token was sent
+        finally:
+            for s in servers:
+                await s.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_id_already_in_flight_is_refused():
+    async def scenario():
+        (slow,), servers, stub = await _mesh("slow")
+        try:
+            first = asyncio.ensure_future(stub.Generate(_request("req-d"), timeout=10))
+            await asyncio.sleep(0.3)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(_request("req-d"), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (await first).finish_reason == "length" and slow.ids == ["req-d"]
+        finally:
+            for s in servers:
+                await s.stop(0)
+
+    asyncio.run(scenario())
