@@ -10,14 +10,17 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from infinite_llm.cli_tls import Insecure, TlsDir, setup_tls
+from infinite_llm.cli_tls import Insecure, TlsDir, load_cli_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound
+
+if TYPE_CHECKING:
+    from infinite_llm.rpc.tls import TlsConfig
 
 app = typer.Typer(
     add_completion=False,
@@ -80,8 +83,8 @@ def generate(
     if router is not None:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()))
         SamplingParams(max_tokens=max_tokens, **sampling)  # same validation and messages as locally
-        setup_tls("client", tls_dir, insecure)
-        _generate_via_router(router, text, chat, model, max_tokens, sampling, api_key)
+        tls = load_cli_tls("client", tls_dir, insecure)
+        _generate_via_router(router, text, chat, model, max_tokens, sampling, tls, api_key)
         return
     from infinite_llm.cli_mesh import device_option, torch_dtype
 
@@ -118,7 +121,14 @@ def generate(
 
 
 def _generate_via_router(
-    router: str, text: str, chat: bool, model: str | None, max_tokens: int, sampling: dict, api_key: str | None = None
+    router: str,
+    text: str,
+    chat: bool,
+    model: str | None,
+    max_tokens: int,
+    sampling: dict,
+    tls: TlsConfig | None,
+    api_key: str | None = None,
 ) -> None:
     """Stream through the router; a chat prompt is templated and tokenized here, as the local path does."""
     from infinite_llm.client import Client
@@ -131,7 +141,7 @@ def _generate_via_router(
         templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         prompt = tokenizer.encode(templated, add_special_tokens=False)
     start, last = time.perf_counter(), None
-    with Client(router, api_key=api_key) as client:
+    with Client(router, tls=tls, api_key=api_key) as client:
         for chunk in client.stream(prompt, max_tokens=max_tokens, **sampling):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()

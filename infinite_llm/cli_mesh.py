@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from infinite_llm.cli_tls import HealthPort, Insecure, TlsDir, setup_tls
+from infinite_llm.cli_tls import HealthPort, Insecure, TlsDir, load_cli_tls, setup_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
@@ -462,7 +462,7 @@ def up(
         insecure=insecure,
     )
     if insecure:
-        setup_tls("client", None, insecure=True)  # says loudly that the mesh is plaintext
+        load_cli_tls("client", None, insecure=True)  # says loudly that the mesh is plaintext
     mesh = LocalMesh(config)
     with err.status("starting the mesh (etcd, manager, servers, compute, router, gateway)...", spinner="dots"):
         mesh.start()
@@ -521,7 +521,7 @@ def status(
     """Print the cluster: servers with rBlocks used/free, and where each sequence's rBlocks are."""
     from infinite_llm.services.admin import cluster_state, render_status
 
-    tls = setup_tls("client", tls_dir, insecure)
+    tls = load_cli_tls("client", tls_dir, insecure)
     render_status(cluster_state(manager, tls=tls), Console())
 
 

@@ -51,11 +51,23 @@ Insecure = Annotated[
 
 
 def setup_tls(role: str, tls_dir: str | None, insecure: bool, health_port: int = 0) -> TlsConfig | None:
-    """Load this process's identity (``role``'s files in ``tls_dir``) and make it the process's; with
-    ``insecure``, none (plaintext), said loudly. ``health_port``: see :data:`HealthPort`. Raises
-    BadParameter when neither is given or a file is missing."""
+    """For a service: load its identity (:func:`load_cli_tls`) and make it the process's, which every
+    server and channel of the process then uses. ``health_port``: see :data:`HealthPort`."""
+    from infinite_llm.rpc.tls import set_process_tls
+
+    tls = load_cli_tls(role, tls_dir, insecure)
+    if not 0 <= health_port < 65536:
+        raise typer.BadParameter(f"must be in [0, 65535], got {health_port}", param_hint="--health-port")
+    set_process_tls(tls, health_port=health_port)
+    return tls
+
+
+def load_cli_tls(role: str, tls_dir: str | None, insecure: bool) -> TlsConfig | None:
+    """``role``'s identity from ``tls_dir``; with ``insecure``, none (plaintext), said loudly. Tools that only
+    dial (status, generate --router, bench) pass it to their channels. Raises BadParameter when neither is
+    given or a file is missing."""
     from infinite_llm.core.errors import InvalidRequest
-    from infinite_llm.rpc.tls import load_tls_dir, set_process_tls
+    from infinite_llm.rpc.tls import load_tls_dir
 
     if insecure:
         log.warning(
@@ -63,7 +75,6 @@ def setup_tls(role: str, tls_dir: str | None, insecure: bool, health_port: int =
             "Anyone who can reach it can call it. Use only for local experiments.",
             role,
         )
-        set_process_tls(None)
         return None
     if not tls_dir:
         raise typer.BadParameter(
@@ -75,9 +86,6 @@ def setup_tls(role: str, tls_dir: str | None, insecure: bool, health_port: int =
         tls = load_tls_dir(tls_dir, role)
     except InvalidRequest as e:
         raise typer.BadParameter(e.message, param_hint="--tls-dir") from None
-    if not 0 <= health_port < 65536:
-        raise typer.BadParameter(f"must be in [0, 65535], got {health_port}", param_hint="--health-port")
-    set_process_tls(tls, health_port=health_port)
     log.debug("mTLS as %s with certificates from %s", role, tls_dir)
     return tls
 

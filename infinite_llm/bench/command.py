@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from infinite_llm.cli_tls import Insecure, TlsDir, setup_tls
+from infinite_llm.cli_tls import Insecure, TlsDir, load_cli_tls
 
 if TYPE_CHECKING:  # the command module loads with every `infinite-llm` call: gRPC and httpx only when it runs
     from collections.abc import Callable
@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the command module loads with every `infinite-llm` call: gR
     from infinite_llm.bench.metrics import RequestRecord
     from infinite_llm.bench.runner import LoadConfig
     from infinite_llm.bench.targets import Target
+    from infinite_llm.rpc.tls import TlsConfig
 
 err = Console(stderr=True)
 
@@ -163,9 +164,8 @@ def bench(
         raise typer.BadParameter(str(e)) from None
     if dataset is not DatasetKind.synthetic and dataset_path is None:
         raise typer.BadParameter(f"--dataset {dataset.value} needs --dataset-path", param_hint="--dataset-path")
-    if backend is Backend.router:
-        setup_tls("client", tls_dir, insecure)
-    the_target = _target(backend, target, model, api_key)
+    tls = load_cli_tls("client", tls_dir, insecure) if backend is Backend.router else None
+    the_target = _target(backend, target, model, api_key, tls)
     settings = {
         "backend": backend.value,
         "target": the_target.address,
@@ -189,12 +189,14 @@ def bench(
     _report(records, duration, settings, output_json, json_output)
 
 
-def _target(backend: Backend, target: str | None, model: str | None, api_key: str | None) -> Target:
+def _target(
+    backend: Backend, target: str | None, model: str | None, api_key: str | None, tls: TlsConfig | None = None
+) -> Target:
     from infinite_llm.bench.targets import GatewayTarget, RouterTarget
 
     address = target or DEFAULT_TARGETS[backend.value]
     if backend is Backend.router:
-        return RouterTarget(address, model, api_key)
+        return RouterTarget(address, model, api_key, tls)
     return GatewayTarget(address, model, api_key)
 
 

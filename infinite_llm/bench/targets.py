@@ -20,6 +20,7 @@ import httpx
 from infinite_llm.bench.datasets import WORDS, BenchRequest, PromptCodec, TokenCodec, WordCodec
 from infinite_llm.bench.metrics import RequestRecord
 from infinite_llm.client import AsyncClient, Client, InfiniteLLMError
+from infinite_llm.rpc.tls import TlsConfig
 
 PREPARE_TIMEOUT_S = 60.0
 PROBE_WORDS = 128  # words in the gateway's tokens-per-word probe: small enough for a tiny test mesh's KV
@@ -67,15 +68,17 @@ class RouterTarget:
 
     name = "router"
 
-    def __init__(self, address: str, model: str | None = None, api_key: str | None = None) -> None:
+    def __init__(
+        self, address: str, model: str | None = None, api_key: str | None = None, tls: TlsConfig | None = None
+    ) -> None:
         self.address = address.removeprefix("grpc://").rstrip("/")
         self.model = model
-        self.api_key = api_key
+        self.api_key, self.tls = api_key, tls
         self._client: AsyncClient | None = None
 
     @contextmanager
     def prompt_codec(self, sample_text: str) -> Iterator[PromptCodec]:
-        with Client(self.address, api_key=self.api_key) as client:
+        with Client(self.address, tls=self.tls, api_key=self.api_key) as client:
 
             def tokenize(text: str) -> list[int]:
                 try:
@@ -86,7 +89,7 @@ class RouterTarget:
             yield TokenCodec(tokenize)
 
     async def __aenter__(self) -> RouterTarget:
-        self._client = AsyncClient(self.address, api_key=self.api_key)
+        self._client = AsyncClient(self.address, tls=self.tls, api_key=self.api_key)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

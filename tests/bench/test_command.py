@@ -34,6 +34,7 @@ def test_a_zero_request_rate_exits_2():
 
 
 def test_an_unreachable_router_exits_1_before_sending_anything():
-    result = runner.invoke(app, ["bench", "--target", f"127.0.0.1:{free_port()}", "--num-requests", "1"])
+    args = ["bench", "--target", f"127.0.0.1:{free_port()}", "--num-requests", "1", "--insecure"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 1
     assert "does not tokenize: Unavailable" in result.output

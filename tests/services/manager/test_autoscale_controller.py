@@ -339,12 +339,13 @@ def test_serve_manager_flags_build_the_autoscaler_settings(monkeypatch):
             "60",
             "--autoscale-interval",
             "2",
+            "--insecure",  # the flags under test, not certificates
         ],
     )
     assert result.exit_code == 0, result.output
     assert seen[0].autoscale == AutoscaleSettings("attention", "llm", ScalingConfig(2, 6, 0.2, 0.7, 15, 120, 60), 2)
     seen.clear()
-    assert CliRunner().invoke(app, ["serve", "manager"]).exit_code == 0
+    assert CliRunner().invoke(app, ["serve", "manager", "--insecure"]).exit_code == 0
     assert seen[0].autoscale is None  # no flag: the manager never touches Kubernetes
 
 
