@@ -15,7 +15,6 @@ import argparse
 import concurrent.futures
 import time
 
-import grpc
 import torch
 from engine_throughput import decode_step_seconds, prompts  # same workload and method, side by side
 
@@ -26,6 +25,7 @@ from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.models.registry import load_model_files, resolve_model
 from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
+from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.state.etcd_launcher import free_port
 
 
@@ -47,8 +47,8 @@ def step_ms(run, ids, n: int) -> float:
     return 1e3 * decode_step_seconds(run, ids, n)
 
 
-def compute_stats(address: str) -> cpb.ComputeStatsResponse:
-    with grpc.insecure_channel(address) as ch:
+def compute_stats(address: str, tls) -> cpb.ComputeStatsResponse:  # noqa: ANN001
+    with sync_channel(address, tls=tls) as ch:  # a compute instance answers the router's role
         return cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=10)
 
 
@@ -62,13 +62,13 @@ def measure_mesh(transport: str, batches: list[int], tokenizer, new_tokens: int)
         transport=transport,
     )
     out = {}
-    with LocalMesh(config) as mesh, Client(mesh.router_address) as client:
+    with LocalMesh(config) as mesh, Client(mesh.router_address, tls=mesh.tls("client")) as client:
         compute = mesh.compute_instances()[0].address
         for batch in batches:
             ids = prompts(tokenizer, batch)
-            before = compute_stats(compute)
+            before = compute_stats(compute, mesh.tls("router"))
             remote = step_ms(lambda i, n: mesh_seconds(client, i, n), ids, new_tokens)
-            after = compute_stats(compute)
+            after = compute_stats(compute, mesh.tls("router"))
             calls = after.layer_rpc_count - before.layer_rpc_count
             out[batch] = (remote, 1e3 * (after.layer_rpc_seconds - before.layer_rpc_seconds) / max(calls, 1))
         fell_back = "tensors travel over gRPC" in (mesh.log_dir / "compute-0.log").read_text(encoding="utf-8")
