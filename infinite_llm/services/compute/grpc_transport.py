@@ -4,8 +4,9 @@ The stream opens with a ``StepOpen`` (step id, and per sequence only ``seq_id``,
 ``num_new``: the server plans the step once from the rBlocks it recorded at commit), then carries one
 ``LayerInput`` (queries + the new K/V stored there) per layer, each answered by one ``LayerPartial``
 (``partial_out`` + ``lse``). A layer's bytes depend on the step's new tokens only, never on the context
-(DESIGN.md §3). The deadline covers the whole step; an error ends the stream with its status, which
-becomes the typed error here (``UNAVAILABLE`` makes the compute instance recompute on the survivors).
+(DESIGN.md §3). The deadline covers the whole step, and each layer's reply has its own (``stall_watch``:
+seconds, from the server's recent pace); an error ends the stream with its status, which becomes the typed
+error here (``UNAVAILABLE``, a stalled server's too, makes the compute instance recompute on the survivors).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import grpc
 
 from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.core.dist_attention import HolderId, LayerInput, Partial
+from infinite_llm.core.errors import InfiniteLLMError, Unavailable
 from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.rpc.codec import decode_tensor, encode_tensor
+from infinite_llm.services.compute.stall_watch import StallWatch
 
 OnRpc = Callable[[str, float], None]
 
@@ -116,6 +119,7 @@ class GrpcTransport:
         self._steps: dict[int, dict[HolderId, StepStream]] = {}
         self.dtype = ""  # the dtype name channel steps declare (set by a transport with channels)
         self._ending: list = []  # calls of closed good steps, kept until they end (dropping one cancels it)
+        self.stall = StallWatch()
 
     def open_step(
         self,
@@ -147,7 +151,7 @@ class GrpcTransport:
             streams[server].outbox.put(layer_message(layer, x))
         out = {}
         for server in inputs:
-            reply = streams[server].reply()
+            reply = self._reply(server, streams[server], layer)
             out[server] = (
                 decode_tensor(reply.partial_out, field="partial_out"),
                 decode_tensor(reply.lse, field="lse"),
@@ -155,9 +159,24 @@ class GrpcTransport:
             self._observe(server, streams[server].sent_at)
         return out
 
+    def _reply(self, server: HolderId, stream: StepStream, layer: int) -> apb.LayerPartial:
+        """The layer's reply; ``Unavailable`` when it is overdue (the call is cancelled: a stalled server)."""
+        with self.stall.owed(server, stream.sent_at, stream.call.cancel) as fired:  # type: ignore[attr-defined]
+            try:
+                return stream.reply()
+            except InfiniteLLMError:
+                if fired():
+                    raise Unavailable(
+                        f"attention server {server} stalled: no reply to layer {layer} in "
+                        f"{time.perf_counter() - stream.sent_at:.1f} s"
+                    ) from None
+                raise
+
     def _observe(self, server: HolderId, sent_at: float) -> None:
+        seconds = time.perf_counter() - sent_at
+        self.stall.observe(server, seconds)
         if self._on_rpc is not None:
-            self._on_rpc(server, time.perf_counter() - sent_at)
+            self._on_rpc(server, seconds)
 
     def close_step(self, step_id: int, failed: bool) -> None:
         """Half-close every stream of the step; a failed step also cancels them (the servers drop their plans).
