@@ -39,6 +39,7 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+MAX_TOKENS = 160  # the e2e mesh holds 384 tokens per request
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -48,7 +49,9 @@ def oai(mesh):
 
 
 def test_a_named_function_is_called_with_arguments_that_validate(oai):
-    reply = oai.chat.completions.create(model="", messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED, temperature=0)
+    reply = oai.chat.completions.create(
+        model="", messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED, temperature=0, max_tokens=MAX_TOKENS
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -59,7 +62,13 @@ def test_a_named_function_is_called_with_arguments_that_validate(oai):
 def test_required_calls_one_or_more_listed_functions_with_valid_arguments(oai):
     for temperature in (0.0, 1.0):
         reply = oai.chat.completions.create(
-            model="", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=temperature, seed=9
+            model="",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            temperature=temperature,
+            seed=9,
+            max_tokens=MAX_TOKENS,
         )
         calls = reply.choices[0].message.tool_calls
         assert reply.choices[0].finish_reason == "tool_calls" and calls
@@ -71,7 +80,13 @@ def test_required_calls_one_or_more_listed_functions_with_valid_arguments(oai):
 def test_streamed_tool_calls_arrive_as_openai_deltas(oai):
     chunks = list(
         oai.chat.completions.create(
-            model="", messages=ASK, tools=[WEATHER], tool_choice=NAMED, temperature=0, stream=True
+            model="",
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice=NAMED,
+            temperature=0,
+            stream=True,
+            max_tokens=MAX_TOKENS,
         )
     )
     deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
@@ -85,7 +100,7 @@ def test_streamed_tool_calls_arrive_as_openai_deltas(oai):
 def test_auto_is_a_400_for_a_model_without_a_tool_format_and_none_answers_in_text(oai):
     for choice in ("auto", openai.NOT_GIVEN):
         with pytest.raises(openai.BadRequestError) as e:
-            oai.chat.completions.create(model="", messages=ASK, tools=[WEATHER], tool_choice=choice)
+            oai.chat.completions.create(model="", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=8)
         assert e.value.body["param"] == "tool_choice"
     reply = oai.chat.completions.create(
         model="", messages=ASK, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=12
