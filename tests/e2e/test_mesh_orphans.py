@@ -20,7 +20,8 @@ from infinite_llm.state.etcd_launcher import start_etcd
 from tests.e2e.conftest import all_blocks_free, mesh_config, wait_until
 from tests.e2e.test_mesh_generation import TEXT
 
-TTL_S = 3  # member lease (seconds): short, so lease expiry is quick to test
+TTL_S = 5  # member lease (seconds): short, so lease expiry is quick to test; not so short that a busy CI
+# machine (2 cores, TLS handshakes, a model loading beside) misses heartbeats
 PROMPTS = [TEXT[:300], TEXT[300:600]]  # ~60 tokens each
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -95,14 +96,20 @@ def test_compute_instance_killed_mid_decode_leaves_no_orphans_and_is_replaced(fa
     compute.popen.kill()
     killed_at = time.monotonic()
     streams.join(60)
-    assert all(e is not None for e in streams.errors), streams.errors  # failed, not hung
+    assert all(isinstance(e, Unavailable) for e in streams.errors), streams.errors  # failed after tokens, not hung
     clean_s = seconds_to_clean(mesh, timeout_s=4 * TTL_S)
     print(f"compute SIGKILL: no orphans {time.monotonic() - killed_at:.1f} s after the kill (lease {TTL_S} s)")
     assert time.monotonic() - killed_at <= 3 * TTL_S + 2, clean_s  # lease expiry + one lease period
     mesh.respawn(compute)
-    mesh.wait_compute_registered(1)
     with Client(mesh.router_address) as client:
-        assert wait_until(lambda: _serves(client), 60)
+        assert wait_until(lambda: _serves(client), 180)  # loads the model, registers, the router follows
+
+
+def _servers_listed(mesh: LocalMesh) -> int:
+    try:
+        return len(cluster_state(mesh.manager_address).servers)
+    except Exception:  # noqa: BLE001 - a busy manager may miss one call
+        return -1
 
 
 def _serves(client: Client) -> bool:
@@ -156,7 +163,7 @@ def test_attention_server_paused_past_its_lease_is_fenced_and_rejoins_empty(faul
     assert streams.errors == [None, None]
     assert streams.tokens == ref  # its sequences were recomputed elsewhere
     assert wait_until(lambda: "fenced" in victim.log_path.read_text(errors="replace"), 2 * TTL_S)
-    mesh.wait_registered(len(mesh.attention_servers()))
+    assert wait_until(lambda: _servers_listed(mesh) == len(mesh.attention_servers()), 60)  # it rejoined
     print(f"attention SIGSTOP {3 * TTL_S} s: no orphans {seconds_to_clean(mesh, 4 * TTL_S):.1f} s after the streams")
 
 
