@@ -48,7 +48,7 @@ def _refusal(call) -> grpc.RpcError:  # noqa: ANN001
 
 def _call_raw(address: str, method: str, kind: str, payload: bytes) -> None:
     """Send ``payload`` as the request bytes of ``method`` (``kind``: ``unary_unary``...), read every reply."""
-    caller = {"AttentionServer": "compute", "GlobalManager": "compute", "ComputeInstance": "router"}
+    caller = {"AttentionServer": "compute", "GlobalManager": "compute", "ComputeInstance": "router", "Router": "client"}
     with mesh_channel(address, caller[method.split("/")[1].split(".")[-1]]) as ch:
         call = getattr(ch, kind)(method)
         replies = call(iter([payload]) if kind.startswith("stream") else payload, timeout=10)

@@ -129,6 +129,9 @@ def test_a_live_server_id_cannot_be_registered_from_another_identity_or_address(
         assert _code(register, other_address) == grpc.StatusCode.PERMISSION_DENIED
     with mesh_channel(mesh.manager_address, "attention") as ch:  # the servers' own identity, another address
         assert _code(mgrpc.GlobalManagerStub(ch).Register, other_address) == grpc.StatusCode.PERMISSION_DENIED
+    with sync_channel(mesh.manager_address, tls=intruder) as ch:  # nor can it speak for the victim
+        beat = mpb.HeartbeatRequest(server_id=victim, free_blocks=0)
+        assert _code(mgrpc.GlobalManagerStub(ch).Heartbeat, beat) == grpc.StatusCode.PERMISSION_DENIED
     after = cluster_state(mesh.manager_address).servers
     assert {s.server_id: s.address for s in after} == before
     assert all(s.capacity_blocks < 10**6 for s in after)

@@ -7,7 +7,7 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
-from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.core.errors import CapacityExhausted, PermissionDenied
 from infinite_llm.observability.metrics import ManagerMetrics
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
@@ -47,6 +47,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         return mpb.RegisterResponse(lease_ttl_s=reg.ttl_s)
 
     async def Heartbeat(self, request: mpb.HeartbeatRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        self._check_registrant(request.server_id, context)
         await self.manager.heartbeat(request.server_id, request.free_blocks, float(request.num_sequences))
         if self.reports is not None and request.reports_sequences:
             held = ServerReport(
@@ -55,6 +56,15 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             self.reports.server(request.server_id, held)
         self.metrics.view_free.labels(server_id=request.server_id).set(request.free_blocks)
         return mpb.HeartbeatResponse()
+
+    def _check_registrant(self, server_id: str, context: grpc.aio.ServicerContext) -> None:
+        """A live server's heartbeats (its capacity and the sequences it reports) come only from the
+        certificate subject that registered it. Raises PermissionDenied otherwise."""
+        identity = peer_of(context).identity
+        if any(m.info.server_id == server_id and m.info.identity != identity for m in self.manager.members()):
+            raise PermissionDenied(
+                f"attention server {server_id!r} is registered by another identity", param="server_id"
+            )
 
     async def Place(self, request: mpb.PlaceRequest, context: grpc.aio.ServicerContext) -> mpb.PlaceResponse:  # noqa: N802
         if request.block_size:
