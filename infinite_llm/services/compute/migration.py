@@ -87,6 +87,7 @@ class MigrationExecutor:
         self._lock = threading.Lock()
         self._queue: list[Order] = []
         self._results: list[MigrationResult] = []
+        self._channels: dict[str, grpc.Channel] = {}  # address -> channel (engine thread only)
         self.migrations_total = 0
 
     def offer(self, order: Order) -> None:
@@ -138,8 +139,7 @@ class MigrationExecutor:
             self._move_one(order, index, table[index])
 
     def _move_one(self, order: Order, index: int, ref: BlockRef) -> None:
-        src = agrpc.AttentionServerStub(sync_channel(order.src_address))
-        dst = agrpc.AttentionServerStub(sync_channel(order.dst_address))
+        src, dst = self._stub(order.src_address), self._stub(order.dst_address)
         request = apb.ExportBlocksRequest(seq_id=order.seq_id, block_ids=[int(ref.block_id)])
         chunks = list(src.ExportBlocks(request, timeout=self.timeout_s))
         chunks[0].header.reservation_id = order.reservation_ids[order.moved]
@@ -163,6 +163,12 @@ class MigrationExecutor:
         order.moved += 1
         order.bytes_moved += sum(len(c.data) for c in chunks[1:])
 
+    def _stub(self, address: str) -> agrpc.AttentionServerStub:
+        """A stub on a channel kept while orders run (engine thread only; closed when the queue empties)."""
+        if address not in self._channels:
+            self._channels[address] = sync_channel(address)
+        return agrpc.AttentionServerStub(self._channels[address])
+
     def _finish(self, order: Order) -> None:
         result = MigrationResult(
             order.migration_id,
@@ -179,6 +185,11 @@ class MigrationExecutor:
             self._results.append(result)
             if order.moved:
                 self.migrations_total += 1
+            idle = not self._queue
+        if idle:  # no order left: let the channels go
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
         if order.error:
             log.warning("migration %d of %s stopped after %d rBlocks: %s", order.migration_id, order.seq_id,
                         order.moved, order.error)  # fmt: skip
