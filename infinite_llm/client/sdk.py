@@ -5,6 +5,8 @@ Both take the same keyword arguments as :class:`infinite_llm.core.sampling.Sampl
 ``prompt_logprobs``) and a ``timeout`` in seconds for the whole call. A prompt is text or a list of token ids.
 ``logprobs=k`` returns each new token's log-probability with its ``k`` most likely alternatives;
 ``prompt_logprobs=k`` the same for the prompt's tokens (``max_tokens=0`` then scores a prompt alone).
+Also ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias`` ({token id: bias}),
+``min_tokens`` and ``json_schema`` (JSON text of a schema the output must match), as in ``SamplingParams``.
 
 Security: ``tls`` is a :class:`~infinite_llm.rpc.tls.TlsConfig`, a TLS directory (its ``client`` files), or
 by default the process's identity, else ``$INFINITE_LLM_TLS_DIR``, else plaintext; ``api_key`` travels as

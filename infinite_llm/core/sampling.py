@@ -55,6 +55,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # the caller's dict may change later
         if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise InvalidRequest(
                 f"max_tokens must be a positive integer (0 only to score a prompt with prompt_logprobs), "

@@ -13,10 +13,15 @@ import pytest
 
 from tests.e2e.test_gateway import API_KEY
 
+# Bounded schemas (string lengths, integer ranges, no extra properties): a small model may otherwise write
+# until max_tokens cuts the value, which no grammar can prevent.
 SCHEMAS = {
     "person": {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     },
@@ -25,16 +30,19 @@ SCHEMAS = {
         "properties": {
             "city": {"type": "string", "maxLength": 20},
             "sky": {"enum": ["sunny", "cloudy", "rainy"]},
-            "celsius": {"type": "number"},
+            "celsius": {"type": "integer", "minimum": -50, "maximum": 60},
         },
         "required": ["city", "sky", "celsius"],
+        "additionalProperties": False,
     },
     "tags": {
         "type": "object",
         "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4}},
         "required": ["tags"],
+        "additionalProperties": False,
     },
 }
+MAX_TOKENS = 160  # the e2e mesh's KV memory holds 384 tokens per request (24 rBlocks of 16)
 QUESTION = [{"role": "user", "content": "Describe the weather in Paris today as JSON."}]
 
 
@@ -58,7 +66,12 @@ def test_json_schema_answers_parse_and_validate_for_every_schema_and_sampling(oa
     for name, schema in SCHEMAS.items():
         for temperature in (0.0, 1.0):
             reply = oai.chat.completions.create(
-                model="", messages=QUESTION, response_format=response_format(name), temperature=temperature, seed=5
+                model="",
+                messages=QUESTION,
+                response_format=response_format(name),
+                temperature=temperature,
+                seed=5,
+                max_tokens=MAX_TOKENS,
             )
             assert reply.choices[0].finish_reason == "stop"
             jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
@@ -66,7 +79,12 @@ def test_json_schema_answers_parse_and_validate_for_every_schema_and_sampling(oa
 
 def test_json_object_streamed_and_on_completions(oai, http):
     chunks = oai.chat.completions.create(
-        model="", messages=QUESTION, response_format={"type": "json_object"}, temperature=0, stream=True
+        model="",
+        messages=[{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        stream=True,
+        max_tokens=MAX_TOKENS,
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert isinstance(json.loads(text), dict)
