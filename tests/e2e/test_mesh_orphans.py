@@ -6,6 +6,7 @@ requests and lets those in flight finish. Each test prints its figures."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -48,7 +49,7 @@ def no_orphans(mesh: LocalMesh) -> bool:
 class Streams:
     """Greedy streams in threads, each recording its tokens and how it ended."""
 
-    def __init__(self, mesh: LocalMesh, prompts: list[str], max_tokens: int) -> None:
+    def __init__(self, mesh: LocalMesh, prompts: list[str] | list[list[int]], max_tokens: int) -> None:
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.errors: list[Exception | None] = [None] * len(prompts)
         self.threads = [
@@ -58,7 +59,7 @@ class Streams:
         for t in self.threads:
             t.start()
 
-    def _run(self, router: str, i: int, prompt: str, max_tokens: int) -> None:
+    def _run(self, router: str, i: int, prompt: str | list[int], max_tokens: int) -> None:
         try:
             with Client(router) as client:
                 for chunk in client.stream(prompt, max_tokens=max_tokens, timeout=240, **GREEDY):
@@ -122,16 +123,29 @@ def _serves(client: Client) -> bool:
 def test_requests_outlive_a_manager_sigkill_and_restart_with_identical_output(fault_mesh):
     mesh = fault_mesh
     ref = references(mesh, max_tokens=48)
+    with Client(mesh.router_address) as client:
+        short_ids = client.tokenize(TEXT[:200])[:20]  # + 4 new tokens: within its first 2 rBlocks
+        short_ref = client.generate(short_ids, max_tokens=4, **GREEDY).token_ids
     streams = Streams(mesh, PROMPTS, max_tokens=48)
     streams.wait_tokens(3)
+    short = Streams(mesh, [short_ids], max_tokens=4)  # ends while the manager is away
+    short.wait_tokens(1)
     (manager,) = [p for p in mesh.procs if p.role == "manager"]
     manager.popen.kill()
     time.sleep(1.0)
     mesh.respawn(manager)
     streams.join()
-    assert streams.errors == [None, None]
-    assert streams.tokens == ref
-    print(f"manager SIGKILL + restart: no orphans {seconds_to_clean(mesh, 4 * TTL_S):.1f} s after the streams ended")
+    short.join()
+    assert (streams.errors, short.errors) == ([None, None], [None])
+    assert (streams.tokens, short.tokens) == (ref, [short_ref])
+    clean_s = seconds_to_clean(mesh, 4 * TTL_S)
+    # A release the manager could not take was freed on the servers, and its ledger entry reconciled.
+    (compute,) = mesh.compute_instances()
+    freed = re.findall(r"manager unreachable: freed \d+ rBlocks of (\S+) on", compute.log_path.read_text())
+    reclaimed = re.findall(r"reclaimed orphan \w+ of sequence (\S+)", manager.log_path.read_text())
+    assert freed and set(freed) <= set(reclaimed), (freed, reclaimed)
+    print(f"manager SIGKILL + restart: {len(freed)} releases taken by the servers during the outage, reconciled;")
+    print(f"  no orphans {clean_s:.1f} s after the streams ended")
 
 
 def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh):
