@@ -19,7 +19,7 @@ import tenacity
 
 from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.core.dist_attention import BlockId, BlockRef, DistAttention, HolderId
-from infinite_llm.core.errors import CapacityExhausted, FailedPrecondition, InvalidRequest
+from infinite_llm.core.errors import CapacityExhausted, FailedPrecondition, InvalidRequest, Unavailable
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
@@ -53,6 +53,7 @@ class ManagerPlacement:
         self._lock = threading.Lock()
         self._capacity = (0, 0, 0.0)  # (total, free, read at monotonic time)
         self._held: set[str] = set()
+        self._away_until = 0.0  # monotonic time until which the manager counts as away (no new retries)
         self._servers: dict[str, agrpc.AttentionServerStub] = {}
 
     def held_seq_ids(self) -> list[str]:
@@ -107,7 +108,13 @@ class ManagerPlacement:
         return self._cluster()[1]
 
     def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef] | None:
-        """``n`` rBlocks for logical indices ``first_index ..``; ``None`` when the cluster is full now."""
+        """``n`` rBlocks for logical indices ``first_index ..``; ``None`` when the cluster is full now.
+
+        Raises ``Unavailable`` when the manager stays unreachable through the retries, and at once for
+        ``PLACE_RETRY_S`` after that (the other sequences of the step do not each wait the retries out).
+        """
+        if time.monotonic() < self._away_until:
+            raise Unavailable("the global manager is unreachable; placement is retried shortly")
         request = mpb.PlaceRequest(
             seq_id=seq_id,
             num_blocks=n,
@@ -127,6 +134,8 @@ class ManagerPlacement:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._capacity = (self._capacity[0], 0, 0.0)  # re-read the view next time
                 return None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._away_until = time.monotonic() + PLACE_RETRY_S
             raise error_from_rpc(e) from None
         refs = []
         with self._lock:
