@@ -35,6 +35,10 @@ from infinite_llm.services.attention.types import ServerStep
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 MAX_CHUNK_BYTES = 16 << 20  # an export chunk larger than this defeats the point of streaming
+# A layer of at most this many (query, key) pairs runs on the event loop: a decode batch over a short context,
+# whose attention takes less than the executor's two thread hops (~0.15 ms a layer on 2 CPU cores, SmolLM2 at
+# batch 1); at the limit it holds the loop ~1 ms on one CPU core.
+INLINE_MAX_PAIRS = 1 << 17
 
 
 class AttentionServicer(pb_grpc.AttentionServerServicer):
@@ -124,7 +128,18 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         async for msg in stream:
             if msg.WhichOneof("part") != "layer":
                 raise InvalidRequest("an AttendStream carries exactly one StepOpen, first")
-            yield await self._run(self._attend_layer, step, msg.layer)
+            yield await self._attend(step, msg.layer)
+
+    async def _attend(self, step: ServerStep, msg: pb.LayerInput) -> pb.LayerPartial:
+        """A small layer runs right here when the holder is free: two thread hops cost more than it
+        (``INLINE_MAX_PAIRS``); a larger one, or one that would wait for the lock, runs on the executor."""
+        keys_here = int(step.plan.meta.num_blocks.sum()) * self.holder.layout.block_size  # at most
+        if step.plan.num_tokens * keys_here <= INLINE_MAX_PAIRS and self._lock.acquire(blocking=False):
+            try:
+                return self._attend_layer(step, msg)
+            finally:
+                self._lock.release()
+        return await self._run(self._attend_layer, step, msg)
 
     def _attend_layer(self, step: ServerStep, msg: pb.LayerInput) -> pb.LayerPartial:
         query = codec.decode_tensor(msg.query, field="query")
