@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from infinite_llm.client import Client
 from infinite_llm.models.registry import load_tokenizer, resolve_model
 from tests.e2e.test_gateway import API_KEY
 
@@ -162,3 +163,17 @@ def test_logprob_requests_out_of_range_are_400s_naming_the_field(http, path, bod
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_the_sdk_returns_token_and_prompt_logprobs_from_the_router(mesh, tokenizer, hf_model):
+    ids = tokenizer.encode(PROMPT)
+    with Client(mesh.router_address) as sdk:
+        out = sdk.generate(ids, max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+        scored = sdk.generate(ids, max_tokens=0, prompt_logprobs=0)
+    ref = hf_logprobs(hf_model, ids + out.token_ids)
+    ours = [lp.logprob for lp in out.prompt_logprobs + out.logprobs]
+    assert [lp.token_id for lp in out.prompt_logprobs + out.logprobs] == ids[1:] + out.token_ids
+    assert (torch.tensor(ours) - ref).abs().max().item() < TOL
+    assert all(len(lp.top) == 2 for lp in out.logprobs) and all(len(lp.top) == 1 for lp in out.prompt_logprobs)
+    assert scored.token_ids == [] and scored.finish_reason == "length"
+    assert [lp.logprob for lp in scored.prompt_logprobs] == [lp.logprob for lp in out.prompt_logprobs]
