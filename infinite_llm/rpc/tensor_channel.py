@@ -13,6 +13,7 @@ built from a store without the default group).
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import socket
 from collections.abc import Sequence
@@ -117,11 +118,13 @@ class StepSizes:
     head_dim: int
     dtype: torch.dtype
 
+    @functools.cached_property
     def metas(self) -> list:
         """Data-less ``Tensor`` messages of query, key, value (for :func:`unpack`)."""
         n, h, kv, hkv, d = self.num_tokens, self.num_heads, self.num_kv_rows, self.num_kv_heads, self.head_dim
         return [codec.tensor_meta(self.dtype, s) for s in ((n, h, d), (kv, hkv, d), (kv, hkv, d))]
 
+    @functools.cached_property
     def reply_metas(self) -> list:
         """Data-less ``Tensor`` messages of lse, partial_out (the reply after its status)."""
         n, h, d = self.num_tokens, self.num_heads, self.head_dim
@@ -139,6 +142,14 @@ class StepSizes:
     def reply_nbytes(self) -> int:
         rows = self.num_tokens * self.num_heads
         return STATUS_BYTES + rows * 4 + rows * self.head_dim * self.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def step_sizes(
+    num_tokens: int, num_heads: int, num_kv_rows: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> StepSizes:
+    """The (cached) :class:`StepSizes` of a shape: decode steps repeat a few shapes every layer."""
+    return StepSizes(num_tokens, num_heads, num_kv_rows, num_kv_heads, head_dim, dtype)
 
 
 def reply(status: int, tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:

@@ -46,7 +46,7 @@ class TensorChannel:
         reply. A layer that raises gets a failed status and ends the step: returns its error (``None``: every
         layer served). Raises ``Unavailable`` when the channel breaks (its bytes may be out of step).
         """
-        metas, fields = sizes.metas(), ("query", "key", "value")
+        metas, fields = sizes.metas, ("query", "key", "value")
         for layer in range(num_layers):
             buffer = self.recv(sizes.layer_nbytes, tc.layer_tag(step_id, layer, tc.TO_SERVER))
             tag = tc.layer_tag(step_id, layer, tc.TO_COMPUTE)

@@ -75,7 +75,7 @@ class PostedLayer:
             self.sent.wait()  # type: ignore[attr-defined]  (done: the server consumed it before answering)
         except RuntimeError as e:
             raise Unavailable(f"tensor channel to attention server {self.server} failed: {e}") from None
-        lse, out = tc.unpack(self.buffer[tc.STATUS_BYTES :], self.sizes.reply_metas(), ("lse", "partial_out"))
+        lse, out = tc.unpack(self.buffer[tc.STATUS_BYTES :], self.sizes.reply_metas, ("lse", "partial_out"))
         return out, lse
 
 
@@ -164,7 +164,7 @@ class TorchTransport(GrpcTransport):
     def _post(self, channel: PairChannel, server: HolderId, step_id: int, layer: int, x: LayerInput) -> PostedLayer:
         n, h, d = x.query.shape  # query [num_tokens, num_heads, head_dim]
         _, hkv, _ = x.key.shape  # key, value [num_kv_rows, num_kv_heads, head_dim]
-        sizes = tc.StepSizes(n, h, x.key.shape[0], hkv, d, x.query.dtype)
+        sizes = tc.step_sizes(n, h, x.key.shape[0], hkv, d, x.query.dtype)
         if codec.dtype_name(x.query.dtype) != self.dtype:
             raise InvalidRequest(f"a layer of {x.query.dtype} on a transport declared for {self.dtype}")
         sent = channel.group.send(
