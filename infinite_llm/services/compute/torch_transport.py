@@ -61,11 +61,12 @@ class PostedLayer:
     buffer: torch.Tensor  # uint8 [8 + num_tokens*num_heads*(4 + head_dim*itemsize)]: status, lse, partial_out
     sizes: tc.StepSizes
 
-    def finish(self, stream: StepStream) -> Partial:
+    def finish(self, stream: StepStream, timeout_s: float) -> Partial:
         """The partial once its reply arrived; a failed status raises the error that ended ``stream``.
-        Raises ``Unavailable`` when the channel fails."""
+        Raises ``Unavailable`` when the channel fails or no reply came within ``timeout_s`` seconds (a
+        stalled server: the failed step closes the channel)."""
         try:
-            self.received.wait()  # type: ignore[attr-defined]
+            self.received.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))  # type: ignore[attr-defined]
         except RuntimeError as e:
             raise Unavailable(f"tensor channel to attention server {self.server} failed: {e}") from None
         if tc.reply_status(self.buffer) != tc.LAYER_OK:
@@ -153,8 +154,9 @@ class TorchTransport(GrpcTransport):
                 posted[server] = self._post(channel, server, step_id, layer, x)
         out: dict[HolderId, Partial] = {}
         for server in inputs:
-            if server in posted:
-                out[server] = posted[server].finish(streams[server])
+            if server in posted:  # owed within the server's stall limit (as a gRPC reply: ``stall_watch``)
+                left = self.stall.limit(server) - (time.perf_counter() - streams[server].sent_at)
+                out[server] = posted[server].finish(streams[server], left)
             else:
                 reply = streams[server].reply()
                 out[server] = (codec.decode_tensor(reply.partial_out), codec.decode_tensor(reply.lse, field="lse"))

@@ -5,15 +5,17 @@ layer on a channel is the same typed error and the next step on the pair is righ
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
 import pytest
 import torch
 
-from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.errors import InvalidRequest, Unavailable
 from infinite_llm.core.rmanager import KVLayout, SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
+from infinite_llm.services.compute.stall_watch import StallWatch
 from infinite_llm.services.compute.torch_transport import TorchTransport
 from tests.services.attention.helpers import TIMEOUT, Pair, Steps
 
@@ -148,4 +150,32 @@ def test_a_channel_step_in_another_dtype_than_the_layout_is_invalid_argument_not
     with pytest.raises(InvalidRequest, match="query is torch.bfloat16"), steps.dist.prepare(STEPS[1], NUM_HEADS) as a:
         a(0, q, k, v)
     assert time.monotonic() - started < 5  # refused at once (the channels' timeout is 30 s)
+    transport.close()
+
+
+def test_a_server_that_stops_answering_on_its_channel_is_unavailable_within_the_stall_limit(make_server):
+    """A paused server (here: one whose attention hangs) is given up on at the stall limit, not at the
+    channel's 30 s timeout; the failed step closes the channel."""
+    layout = KVLayout(3, 4, 2, 8)
+    steps = _steps(make_server, layout, "torch", torch_transport=True)
+    steps.step(STEPS[0])
+    transport = steps.transport.remote
+    transport.stall = StallWatch(min_s=0.5)
+    hung = threading.Event()
+    holder = steps.servicers[1].holder  # server B
+    real = holder.attend_layer
+
+    def hang(*args):  # noqa: ANN002, ANN202
+        hung.wait(10)
+        return real(*args)
+
+    holder.attend_layer = hang
+    t = sum(s.num_new for s in STEPS[1])
+    q, k, v = torch.randn(t, NUM_HEADS, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="attention server B"), steps.dist.prepare(STEPS[1], NUM_HEADS) as a:
+        a(0, q, k, v)
+    assert 0.4 < time.monotonic() - started < 3
+    assert transport._channels == {}  # the failed step's channels were retired
+    hung.set()
     transport.close()
