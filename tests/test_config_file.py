@@ -14,7 +14,9 @@ from infinite_llm.config_file import load_config
 
 
 def _status(tmp_path, yaml_text: str | None, env: dict[str, str], *flags: str) -> str:
-    """Run ``infinite-llm status`` against closed ports; the error names the manager address it used."""
+    """Run ``infinite-llm status`` against closed ports; the error names the manager address it used.
+    Plaintext (``INFINITE_LLM_INSECURE``): the option sources are under test, not certificates."""
+    env = {"INFINITE_LLM_INSECURE": "1", **env}
     args = [sys.executable, "-m", "infinite_llm.cli"]
     if yaml_text is not None:
         path = tmp_path / "c.yaml"
