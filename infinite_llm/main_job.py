@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from infinite_llm.client import Client
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.models.registry import load_model_config, load_tokenizer, resolve_model
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--question", default=QUESTION)
     ap.add_argument("--attention-servers", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     a = ap.parse_args(argv)
     resolved = resolve_model(None)
     model_config = load_model_config(resolved)

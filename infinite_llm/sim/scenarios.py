@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import CapacityExhausted
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.placement import reserve_placement
@@ -62,7 +63,7 @@ class Setting:
     long_doc_min: int = 100_000
     conversation_max: int = 16_384
     kv_memory_bytes: float | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     tick_s: float = 0.5

@@ -28,6 +28,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import CapacityExhausted
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.placement import reserve_placement
@@ -46,7 +47,7 @@ class SimConfig:
     mode: str
     num_instances: int
     cost: InstanceCost
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     tick_s: float = 0.25

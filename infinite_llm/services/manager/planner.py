@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
+
 REASONS = ("drain", "lend", "home", "spread")
 
 
@@ -147,7 +149,7 @@ class ClusterView:
     servers: tuple[ServerView, ...]
     instances: tuple[InstanceView, ...]
     seqs: tuple[SeqView, ...]
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
