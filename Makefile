@@ -29,8 +29,20 @@ QUESTION ?= According to this license, what must you do when you redistribute th
 run: install model
 	$(BIN)/python -m infinite_llm.main_job --doc "$(DOC)" --question "$(QUESTION)"
 
-test: install model
+test: install model lm-eval-venv
 	$(BIN)/python -m pytest -q -ra
+
+# lm-eval runs in the tests from a virtual environment of its own: its dependencies clash with the project's
+# (python-dateutil < 3 for its table writer, >= 3 for the Kubernetes client). torch is the CPU wheel, exact;
+# transformers is the project's own pin (lm-eval tokenizes with it, as the gateway does).
+LM_EVAL_VENV := .venv-lm-eval
+.PHONY: lm-eval-venv
+lm-eval-venv: $(LM_EVAL_VENV)/.installed
+
+$(LM_EVAL_VENV)/.installed:
+	test -x $(LM_EVAL_VENV)/bin/python || $(PY) -m venv $(LM_EVAL_VENV)
+	$(LM_EVAL_VENV)/bin/python -m pip install --quiet torch==2.13.0 'lm-eval[api]==0.4.13' transformers==5.23.0
+	touch $@
 
 lint: install
 	$(BIN)/ruff check infinite_llm tests benchmarks
@@ -42,7 +54,7 @@ bench: install model
 	$(BIN)/python benchmarks/mesh_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LM_EVAL_VENV) .pytest_cache .ruff_cache
 
 # Generated protobuf/gRPC code is checked in (installs need no protoc); protos/generate.py documents the
 # layout. proto-check regenerates into a temporary directory and fails when the committed code is stale.
