@@ -29,18 +29,27 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+# Bit b of byte v, for every byte value: unpacking a bitmask is one lookup per byte of it.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # (256, 8)
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``bitmask [num_rows, ceil(vocab_size / 32)]`` int32 -> ``[num_rows, vocab_size]`` bool (True: allowed)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1  # (num_rows, words, 32): bit b of word w is token 32 w + b
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """``bitmask [num_rows, ceil(vocab_size / 32)]`` int32 -> ``[num_rows, vocab_size]`` bool (True: allowed).
+
+    Little-endian words (x86, ARM, CUDA): bit ``b`` of word ``w`` is bit ``b % 8`` of byte ``4 w + b // 8``,
+    so token ``t`` is bit ``t % 8`` of byte ``t // 8``.
+    """
+    num_bytes = bitmask.contiguous().view(torch.uint8)  # (num_rows, 4 * words)
+    bits = _BYTE_BITS.to(bitmask.device)[num_bytes.long()]  # (num_rows, 4 * words, 8)
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_constraints(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> torch.Tensor:
     """``logits [num_seqs, vocab_size]`` with every token a row's constraint forbids at ``-inf``.
 
-    The input is returned as is when no row is constrained; else a copy (the raw logits stay intact for
-    logprobs). One bitmask is filled per constrained row on the host and moved to ``logits``' device once.
+    The input is returned as is when no row is constrained; else a new tensor made in one pass (the raw
+    logits stay intact for logprobs). One bitmask is filled per constrained row on the host and moved to
+    ``logits``' device once.
     """
     assert logits.shape[0] == len(constraints)
     rows = [i for i, c in enumerate(constraints) if c is not None]
@@ -50,8 +59,9 @@ def apply_constraints(logits: torch.Tensor, constraints: list[TokenConstraint | 
     bitmask = torch.empty(len(rows), bitmask_words(vocab), dtype=torch.int32)
     for j, i in enumerate(rows):
         constraints[i].fill_bitmask(bitmask[j])
-    allowed = unpack_bitmask(bitmask.to(logits.device), vocab)  # (len(rows), vocab)
-    out = logits.clone()
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    out[index] = out[index].masked_fill(~allowed, float("-inf"))
-    return out
+    forbidden = ~unpack_bitmask(bitmask.to(logits.device), vocab)  # (len(rows), vocab)
+    if len(rows) < logits.shape[0]:  # unconstrained rows forbid nothing
+        every = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        every[torch.tensor(rows, dtype=torch.int64, device=logits.device)] = forbidden
+        forbidden = every
+    return logits.masked_fill(forbidden, float("-inf"))

@@ -38,3 +38,19 @@ def test_constrained_rows_keep_only_allowed_logits_and_others_are_untouched():
     assert out[1, 3].item() == 73.0 and out[1, 40].item() == 110.0
     assert torch.isinf(out[1]).sum().item() == 68
     assert not torch.isinf(logits).any()  # the raw logits stay intact (logprobs read them)
+
+
+def test_unpacking_equals_bit_t_mod_32_of_word_t_div_32_for_every_bit_pattern():
+    """The byte-table unpacking against the definition, sign bits included."""
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 7), dtype=torch.int32, generator=gen)
+    bitmask[0, 0] = -1  # all 32 bits
+    words = bitmask[:, :, None].to(torch.int64) & 0xFFFFFFFF
+    want = ((words >> torch.arange(32)) & 1).reshape(4, -1)[:, :200].bool()
+    assert torch.equal(unpack_bitmask(bitmask, 200), want)
+
+
+def test_every_row_constrained_masks_each_row_by_its_own_bitmask():
+    logits = torch.zeros(2, 70)
+    out = apply_constraints(logits, [Allow(1), Allow(2, 69)])
+    assert [row.isfinite().nonzero().flatten().tolist() for row in out] == [[1], [2, 69]]
