@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -99,6 +100,14 @@ def test_metrics_of_every_service_move_by_the_expected_amounts(mesh):
         scrape(mesh.gateway_address), "infinite_llm:gateway_requests_total", route="/v1/models", status="200"
     )
     assert gw_after - gw_before == 1
+    for model_id in ("nope-1", "nope-2"):  # a path parameter is not a label: the route's template is
+        try:
+            urllib.request.urlopen(f"http://{mesh.gateway_address}/v1/models/{model_id}", timeout=10)
+        except urllib.error.HTTPError as e:
+            assert e.code == 404
+    samples = scrape(mesh.gateway_address)
+    assert value(samples, "infinite_llm:gateway_requests_total", route="/v1/models/{model_id:path}", status="404") == 2
+    assert not [labels for _, labels in samples if any("nope" in v for _, v in labels)]
 
 
 @pytest.fixture(scope="module")

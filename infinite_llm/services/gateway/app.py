@@ -134,7 +134,10 @@ def install_metrics(app: FastAPI) -> None:
     async def count(request: Request, call_next):  # noqa: ANN001, ANN202
         start = time.perf_counter()
         response = await call_next(request)
-        route = request.url.path if request.url.path.startswith("/v1/") else "other"
+        # The matched route's template, never the raw path: a path parameter (a model id) would make a new
+        # label per request, without bound.
+        template = getattr(request.scope.get("route"), "path", "")
+        route = template if template.startswith("/v1/") else "other"
         requests.labels(route=route, status=str(response.status_code)).inc()
         latency.labels(route=route).observe(time.perf_counter() - start)
         return response
