@@ -124,17 +124,23 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
             await self._channel_step(first.open)  # the layers travel on the channel: nothing to yield
             return
         seqs = [SeqStep(s.seq_id, s.num_computed_tokens, s.num_new) for s in first.open.seqs]
-        step = await self._run(self.holder.open_step, seqs, first.open.num_heads)
+        step, small = await self._run(self._open_step, seqs, first.open.num_heads)
         async for msg in stream:
             if msg.WhichOneof("part") != "layer":
                 raise InvalidRequest("an AttendStream carries exactly one StepOpen, first")
-            yield await self._attend(step, msg.layer)
+            yield await self._attend(step, small, msg.layer)
 
-    async def _attend(self, step: ServerStep, msg: pb.LayerInput) -> pb.LayerPartial:
-        """A small layer runs right here when the holder is free: two thread hops cost more than it
-        (``INLINE_MAX_PAIRS``); a larger one, or one that would wait for the lock, runs on the executor."""
+    def _open_step(self, seqs: list[SeqStep], num_heads: int) -> tuple[ServerStep, bool]:
+        """The step's plan, and whether its layers are small enough to run on the event loop: at most
+        ``INLINE_MAX_PAIRS`` (query, key) pairs here (read once per step: on a GPU it is a host sync)."""
+        step = self.holder.open_step(seqs, num_heads)
         keys_here = int(step.plan.meta.num_blocks.sum()) * self.holder.layout.block_size  # at most
-        if step.plan.num_tokens * keys_here <= INLINE_MAX_PAIRS and self._lock.acquire(blocking=False):
+        return step, step.plan.num_tokens * keys_here <= INLINE_MAX_PAIRS
+
+    async def _attend(self, step: ServerStep, small: bool, msg: pb.LayerInput) -> pb.LayerPartial:
+        """A small layer runs right here when the holder is free: two thread hops cost more than it; a
+        larger one, or one that would wait for the lock, runs on the executor."""
+        if small and self._lock.acquire(blocking=False):
             try:
                 return self._attend_layer(step, msg)
             finally:
