@@ -94,6 +94,7 @@ class LocalMesh:
     procs: list[Proc] = field(default_factory=list)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="infinite-llm-mesh-")))
     keep_logs: bool = False  # keep log_dir (and etcd's data) after stop; set when something failed
+    _rebinds: dict[str, int] = field(default_factory=dict)  # restarts on fresh ports, per process name
     tls_dir: Path | None = None  # the certificates every service uses (None: plaintext), set by start
     _restarts: dict[str, int] = field(default_factory=dict)  # respawns by restart_crashed, per name
 
@@ -293,13 +294,33 @@ class LocalMesh:
         deadline = time.monotonic() + self.config.startup_timeout_s
         for p in procs:
             while not check(p.address):
-                if not p.alive():
+                if not p.alive() and not self._rebind(p):
                     raise Unavailable(f"{p.name} exited during startup:\n{tail(p.log_path)}")
                 if time.monotonic() > deadline:
                     raise Unavailable(
                         f"{p.name} not healthy after {self.config.startup_timeout_s:.0f} s:\n{tail(p.log_path)}"
                     )
                 time.sleep(0.2)
+
+    def _rebind(self, proc: Proc, max_tries: int = 3) -> bool:
+        """Start an attention server or compute instance again on fresh ports when it exited because its
+        port was taken between :func:`free_port` and its bind (another process's ephemeral port: tensor
+        channels open many). Returns whether it was restarted."""
+        tries = self._rebinds.get(proc.name, 0)
+        if proc.role not in ("attention", "compute") or tries >= max_tries or "cannot bind" not in tail(proc.log_path):
+            return False
+        self._rebinds[proc.name] = tries + 1
+        args = list(proc.popen.args)
+        port, metrics_port = free_port(), free_port()
+        args[args.index("--port") + 1] = str(port)
+        args[args.index("--metrics-port") + 1] = str(metrics_port)
+        with open(proc.log_path, "ab") as out:
+            proc.popen = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(proc.role)
+            )
+        proc.address, proc.metrics_address = f"{HOST}:{port}", f"{HOST}:{metrics_port}"
+        log.warning("%s: its port was taken before it bound; started again on %s", proc.name, proc.address)
+        return True
 
     def wait_registered(self, n: int, timeout_s: float = 30.0) -> None:
         """Wait until the manager lists exactly ``n`` attention servers."""

@@ -67,3 +67,14 @@ def make_engine(default_weights):
         return LLMEngine.from_weights(model_config, state_dict, tokenizer, EngineConfig(**overrides))
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _process_tls_reset():
+    """An in-process CLI call (``CliRunner``) sets this process's TLS identity for every later channel and
+    server (``rpc/tls.set_process_tls``, as the entry points do). Reset it after each test, so the next one
+    starts from plaintext defaults whatever ran before it."""
+    yield
+    from infinite_llm.rpc.tls import set_process_tls
+
+    set_process_tls(None)

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from infinite_llm.rpc.tls import TLS_DIR_ENV
 from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK
 
 
@@ -120,7 +121,11 @@ async def _serve_everything(default_weights, tmp_path):
     return app, stop
 
 
-def test_one_trace_id_across_every_hop_in_memory(exporter, default_weights, tmp_path):
+def test_one_trace_id_across_every_hop_in_memory(exporter, default_weights, tmp_path, monkeypatch):
+    # Every service here runs in this process and in plaintext: the e2e session's INFINITE_LLM_TLS_DIR
+    # would make the gateway dial the router over TLS.
+    monkeypatch.delenv(TLS_DIR_ENV, raising=False)
+
     async def scenario():
         app, stop = await _serve_everything(default_weights, tmp_path)
         try:
