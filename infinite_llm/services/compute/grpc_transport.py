@@ -151,13 +151,14 @@ class GrpcTransport:
             streams[server].outbox.put(layer_message(layer, x))
         out = {}
         for server in inputs:
-            reply = self._reply(server, streams[server], layer)
-            out[server] = (
-                decode_tensor(reply.partial_out, field="partial_out"),
-                decode_tensor(reply.lse, field="lse"),
-            )
+            out[server] = self._inline_partial(server, streams[server], layer)
             self._observe(server, streams[server].sent_at)
         return out
+
+    def _inline_partial(self, server: HolderId, stream: StepStream, layer: int) -> Partial:
+        """The partial of a layer whose tensors travel in the stream (owed within the stall limit)."""
+        reply = self._reply(server, stream, layer)
+        return decode_tensor(reply.partial_out, field="partial_out"), decode_tensor(reply.lse, field="lse")
 
     def _reply(self, server: HolderId, stream: StepStream, layer: int) -> apb.LayerPartial:
         """The layer's reply; ``Unavailable`` when it is overdue (the call is cancelled: a stalled server)."""

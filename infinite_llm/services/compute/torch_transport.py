@@ -104,7 +104,6 @@ class TorchTransport(GrpcTransport):
         super().__init__(address_of, timeout_s, on_rpc)
         self.device = torch.device(device)
         self.backend = tc.backend_for(self.device)
-
         self.open_timeout_s = open_timeout_s
         self.fallbacks: dict[HolderId, tuple[str, str]] = {}  # server -> (its address, why gRPC carries tensors)
         self._address_of = address_of
@@ -158,8 +157,7 @@ class TorchTransport(GrpcTransport):
                 left = self.stall.limit(server) - (time.perf_counter() - streams[server].sent_at)
                 out[server] = posted[server].finish(streams[server], left)
             else:
-                reply = streams[server].reply()
-                out[server] = (codec.decode_tensor(reply.partial_out), codec.decode_tensor(reply.lse, field="lse"))
+                out[server] = self._inline_partial(server, streams[server], layer)
             self._observe(server, streams[server].sent_at)
         return out
 
