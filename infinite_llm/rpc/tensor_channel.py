@@ -86,11 +86,6 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(parts).to(device)
 
 
-def nbytes(metas: Sequence) -> int:  # noqa: ANN001 (tensor_pb2.Tensor)
-    """Bytes of the tensors that data-less ``Tensor`` messages describe (raises ``InvalidRequest``)."""
-    return sum(codec.payload_nbytes(m, field="tensor meta") for m in metas)
-
-
 def unpack(buffer: torch.Tensor, metas: Sequence, fields: Sequence[str]) -> list[torch.Tensor]:  # noqa: ANN001
     """Views of ``buffer`` (``uint8``, as :func:`pack` made it) as the tensors ``metas`` describe."""
     out, start = [], 0
