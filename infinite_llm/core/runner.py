@@ -17,12 +17,20 @@ from infinite_llm.core.decode_graphs import DecodeGraphs
 from infinite_llm.core.dist_attention import StepAttention
 from infinite_llm.core.logits_processors import SeqTokens, apply_processors
 from infinite_llm.core.logprobs import TokenLogprob, prompt_targets, token_logprobs
-from infinite_llm.core.model import LlamaForCausalLM
+from infinite_llm.core.model import AttentionFn, LlamaForCausalLM
 from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.core.sampling import sample
 from infinite_llm.core.scheduler import ScheduledSeq
 
 PrepareFn = Callable[[list[SeqStep], int], StepAttention]  # (step's sequences, num_heads) -> attention
+Interrupt = Callable[[], bool]  # asked before each layer's attention: True cuts the step there
+
+
+class StepInterrupted(Exception):
+    """A step cut between two layers because its ``interrupt`` check asked for it (a request of the step
+    was aborted). Nothing of the step was recorded: the scheduler plans the same step again without the
+    aborted request, and the K/V the cut layers stored is written again, to the same slots, by that step.
+    """
 
 
 class ModelRunner:
@@ -42,7 +50,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.decode_graphs = decode_graphs
 
-    def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
+    def run(self, scheduled: list[ScheduledSeq], interrupt: Interrupt | None = None) -> StepResult:
         """One step: the sampled next token of every sequence whose step ends its known tokens (none for a
         prompt scored with ``max_tokens == 0``), and the log-probabilities the sequences' params ask for.
 
@@ -50,6 +58,10 @@ class ModelRunner:
         Logits rows: the prompt positions to score (``prompt_logprobs``: every prompt position of a prefill
         chunk, so a long chunk costs ``[chunk_tokens, vocab_size]`` fp32 of logits) first, then one per
         sampling sequence.
+
+        ``interrupt`` is asked before each layer's attention (steps through ``prepare_attention`` only; a
+        replayed CUDA graph runs whole). Raises :class:`StepInterrupted` when it answers True: the step's
+        attention is closed as failed and nothing is sampled.
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -69,7 +81,7 @@ class ModelRunner:
             if s.samples and s.seq.params.max_tokens > 0:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(s)
-        logits = self._logits(scheduled, ids, positions, prompt_rows + sample_rows)
+        logits = self._logits(scheduled, ids, positions, prompt_rows + sample_rows, interrupt)
         result = StepResult(prompt_logprobs=self._score_prompts(logits[: len(prompt_rows)], scored))
         logits = logits[len(prompt_rows) :]  # (num_sampling_seqs, vocab)
         params = [s.seq.params for s in sampling]
@@ -81,7 +93,12 @@ class ModelRunner:
         return result
 
     def _logits(
-        self, scheduled: list[ScheduledSeq], ids: list[int], positions: list[int], rows: list[int]
+        self,
+        scheduled: list[ScheduledSeq],
+        ids: list[int],
+        positions: list[int],
+        rows: list[int],
+        interrupt: Interrupt | None = None,
     ) -> torch.Tensor:
         """``[len(rows), vocab]`` fp32 logits of the flat ``rows``; a plain decode step replays the graphs."""
         steps = [SeqStep(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in scheduled]
@@ -92,7 +109,7 @@ class ModelRunner:
             return self.model(
                 torch.tensor(ids, dtype=torch.int64, device=self.device),
                 torch.tensor(positions, dtype=torch.int64, device=self.device),
-                attention,
+                attention if interrupt is None else _interruptible(attention, interrupt),
                 torch.tensor(rows, dtype=torch.int64, device=self.device),
             )  # (len(rows), vocab)
 
@@ -106,6 +123,17 @@ class ModelRunner:
             out[s.seq.seq_id] = token_logprobs(logits[row : row + n], [prompt[t] for t in targets], [num_top] * n)
             row += n
         return out
+
+
+def _interruptible(attention: AttentionFn, interrupt: Interrupt) -> AttentionFn:
+    """``attention`` that first asks ``interrupt`` and raises :class:`StepInterrupted` when it says so."""
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if interrupt():
+            raise StepInterrupted(f"step interrupted before the attention of layer {layer}")
+        return attention(layer, q, k, v)
+
+    return attend
 
 
 @dataclass

@@ -23,7 +23,7 @@ from infinite_llm.core.ids import check_id
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
 from infinite_llm.core.model import LlamaForCausalLM
 from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
-from infinite_llm.core.runner import ModelRunner, StepResult
+from infinite_llm.core.runner import Interrupt, ModelRunner, StepInterrupted, StepResult
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.core.scheduler import BlockManager, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from infinite_llm.engine.outputs import RequestOutput, TextStopper
@@ -90,6 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv.prepare, config.device, graphs)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self.num_interrupted_steps = 0
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)  # built on first use
 
     @classmethod
@@ -185,14 +186,23 @@ class LLMEngine:
         return self.scheduler.num_preemptions
 
     # ---- the loop ------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, interrupt: Interrupt | None = None) -> list[RequestOutput]:
         """Schedule, run the model once, sample, apply stop conditions. Returns one output per request
-        that produced a token or finished this step, those that failed alone included (reason "error")."""
+        that produced a token or finished this step, those that failed alone included (reason "error").
+
+        ``interrupt`` is asked before each layer's attention; when it answers True the step is cut there
+        (``num_interrupted_steps`` counts it) and records nothing: the caller aborts whichever request
+        asked for the cut, and the next step schedules the others exactly as this one did.
+        """
         out = self.scheduler.schedule()
         failed = [self._failed_output(seq) for seq in out.failed]
         if not out.scheduled:
             return failed
-        result = self.runner.run(out.scheduled)
+        try:
+            result = self.runner.run(out.scheduled, interrupt)
+        except StepInterrupted:
+            self.num_interrupted_steps += 1
+            return failed
         self.scheduler.mark_computed(out)
         return failed + self._process(out, result)
 

@@ -98,3 +98,30 @@ def test_bad_requests_raise_typed_errors_and_change_nothing(engine, prompt, para
 def test_bad_sampling_parameters_are_typed_errors(params, match):
     with pytest.raises(InvalidRequest, match=match):
         SamplingParams(**params)
+
+
+def test_a_step_cut_between_layers_for_an_abort_records_nothing_and_the_others_stay_exact(engine):
+    """A step interrupted mid-prefill (layer 7 of 30) samples nothing and keeps no KV accounting; the aborted
+    request frees its rBlocks at once and the request beside it ends with the tokens of an undisturbed run."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = "The history of the river and the town that grew along it"
+    want = engine.generate([prompt], params)[0].token_ids
+    total = engine.kv.num_total_blocks
+    keep = engine.add_request(prompt, params)
+    gone = engine.add_request("Write a long story about a dragon." * 8, params)
+    layers_asked = []
+
+    def cut_at_layer_7() -> bool:
+        layers_asked.append(len(layers_asked))
+        return len(layers_asked) == 8
+
+    assert engine.step(cut_at_layer_7) == [] and engine.num_interrupted_steps == 1 and len(layers_asked) == 8
+    seqs = {s.seq_id: s for s in engine.scheduler.running}
+    assert seqs[keep].num_computed_tokens == seqs[gone].num_computed_tokens == 0  # the cut step counts for nothing
+    assert engine.kv.num_free_blocks < total  # both still hold their prompt's rBlocks
+    assert engine.abort(gone).finish_reason == "abort"
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step(lambda: False)})
+    assert final[keep].token_ids == want
+    assert engine.kv.num_free_blocks == total and engine.num_interrupted_steps == 1

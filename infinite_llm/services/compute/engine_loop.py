@@ -3,9 +3,12 @@
 gRPC handlers run on an asyncio loop; the engine (model + scheduler + remote attention) runs on its own
 thread, since a step is seconds of blocking compute and RPCs. Handlers ``submit`` a request with a sink
 (called on the engine thread with each ``RequestOutput`` or an exception) and ``abort`` it; the loop applies
-commands between steps, so the engine itself stays single-threaded (its contract). A request that fails
-alone (its submit, or its placement in a step: ``RequestOutput.error``) fails its own sink only; a step
-that fails as a whole fails every request (after recovery attempts when an attention server is lost).
+commands between steps, so the engine itself stays single-threaded (its contract). An abort of a request
+the running step serves cuts that step at its next layer (``LLMEngine.step``'s ``interrupt``), so the
+request's rBlocks are freed within a layer's time, not a step's; the others run the step again without
+it. A request that fails alone (its submit, or its placement in a step: ``RequestOutput.error``) fails its
+own sink only; a step that fails as a whole fails every request (after recovery attempts when an attention
+server is lost).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class EngineLoop:
         self._contexts: dict[str, otel_context.Context] = {}
         self._last_token_at: dict[str, float] = {}
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
+        self._aborting: set[str] = set()  # request ids whose _Abort is queued, not yet applied
+        self._aborting_lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.generated_tokens = 0
@@ -77,6 +82,9 @@ class EngineLoop:
         self._commands.put(_Submit(request_id, prompt, params, sink, otel_context.get_current()))
 
     def abort(self, request_id: str) -> None:
+        """End a request; a step that runs it is cut at its next layer (its rBlocks are freed right after)."""
+        with self._aborting_lock:
+            self._aborting.add(request_id)
         self._commands.put(_Abort(request_id))
 
     @property
@@ -140,6 +148,8 @@ class EngineLoop:
             self._sinks[cmd.request_id] = cmd.sink
             self._contexts[cmd.request_id] = cmd.trace_context
             return
+        with self._aborting_lock:
+            self._aborting.discard(cmd.request_id)
         sink = self._sinks.pop(cmd.request_id, None)
         if sink is not None:
             out = self.engine.abort(cmd.request_id)
@@ -151,9 +161,11 @@ class EngineLoop:
             self.between_steps()  # never raises: it records its own failures
         try:
             started = time.perf_counter()
+            interrupted = self.engine.num_interrupted_steps
             with self._step_span():
-                outputs = self.engine.step()
-            self.steps, self.step_seconds = self.steps + 1, self.step_seconds + time.perf_counter() - started
+                outputs = self.engine.step(self._interrupt)
+            if self.engine.num_interrupted_steps == interrupted:  # a cut step (an abort) is no step's pace
+                self.steps, self.step_seconds = self.steps + 1, self.step_seconds + time.perf_counter() - started
         except (Unavailable, NotFound) as e:  # a server unreachable, or one that lost (fenced) our KV
             self._recover(e)
             return
@@ -176,6 +188,15 @@ class EngineLoop:
             if out.finished:
                 del self._sinks[out.request_id]
             sink(out)
+
+    def _interrupt(self) -> bool:
+        """Engine thread, before each layer of a step: True when a running request was aborted meanwhile,
+        so the step is cut and its rBlocks are freed now rather than after the step (seconds on a CPU)."""
+        if not self._aborting:  # the common case, read without the lock
+            return False
+        with self._aborting_lock:
+            aborting = set(self._aborting)
+        return any(seq.seq_id in aborting for seq in self.engine.scheduler.running)
 
     def _step_span(self):  # noqa: ANN202
         """A span for one engine step, child of the oldest live request's trace, linked to the others."""
