@@ -113,7 +113,7 @@ def test_disconnect_mid_decode_during_a_long_prefill_step_frees_every_block_with
     victim.cancel()  # the client goes away
     seconds = _seconds_until_freed(mesh, "gone-decoding")
     channel.close()
-    print(f"\nmid-decode disconnect during a {LONG}-token prefill step: rBlocks freed on every server in {seconds:.2f} s")
+    print(f"\nmid-decode disconnect in a {LONG}-token prefill step: rBlocks freed on every server in {seconds:.2f} s")
     assert seconds < FREED_WITHIN_S
     decoding.join(300), prefill.join(300)
     assert got == undisturbed

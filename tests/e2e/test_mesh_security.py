@@ -155,3 +155,43 @@ def test_another_clients_request_cannot_be_aborted_through_the_router(mesh, clus
         assert a.abort("own-req") is True
         assert list(stream)[-1].finish_reason == "abort"
     assert wait_until(lambda: all_blocks_free(mesh) and not cluster_state(mesh.manager_address).ledger)
+
+
+def _computes(mesh) -> dict[str, str]:
+    with mesh_channel(mesh.manager_address, "client") as ch:
+        reply = mgrpc.GlobalManagerStub(ch).ListComputeInstances(mpb.ListComputeInstancesRequest(), timeout=10)
+    return {c.instance_id: c.address for c in reply.instances}
+
+
+@pytest.mark.parametrize("role", ["attention", "client", "router", "gateway", "manager"])
+def test_compute_membership_calls_from_a_non_compute_identity_are_refused(mesh, role):
+    before = _computes(mesh)
+    victim = sorted(before)[0]
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    with mesh_channel(mesh.manager_address, role) as ch:
+        stub = mgrpc.GlobalManagerStub(ch)
+        rogue = mpb.RegisterComputeRequest(instance_id="rogue-compute", address="127.0.0.1:9")
+        assert _code(stub.RegisterCompute, rogue) == denied
+        assert _code(stub.HeartbeatCompute, mpb.HeartbeatComputeRequest(instance_id=victim)) == denied
+        assert _code(stub.DeregisterCompute, mpb.DeregisterComputeRequest(instance_id=victim)) == denied
+    assert _computes(mesh) == before
+
+
+def test_a_live_compute_id_cannot_be_registered_or_spoken_for_by_another_identity(mesh, cluster_tls_dir):
+    """A valid compute certificate with another subject can neither take over a live instance's id (at its
+    address or another), nor heartbeat, report sequences or deregister for it; the mesh keeps serving."""
+    before = _computes(mesh)
+    victim = sorted(before)[0]
+    intruder = _forged(cluster_tls_dir, "compute", "intruder")
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    with sync_channel(mesh.manager_address, tls=intruder) as ch:
+        stub = mgrpc.GlobalManagerStub(ch)
+        for address in (before[victim], "127.0.0.1:9"):
+            request = mpb.RegisterComputeRequest(instance_id=victim, address=address)
+            assert _code(stub.RegisterCompute, request) == denied
+        beat = mpb.HeartbeatComputeRequest(instance_id=victim, reports_seq_ids=True)  # "it holds nothing"
+        assert _code(stub.HeartbeatCompute, beat) == denied
+        assert _code(stub.DeregisterCompute, mpb.DeregisterComputeRequest(instance_id=victim)) == denied
+    assert _computes(mesh) == before
+    with Client(mesh.router_address) as c:
+        assert c.generate(PROMPT, max_tokens=4, temperature=0).finish_reason == "length"

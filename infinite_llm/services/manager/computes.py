@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.errors import InvalidRequest, PermissionDenied
 from infinite_llm.core.ids import check_id
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.ledger import LedgerRecord
@@ -37,12 +37,15 @@ def check_address(address: str) -> str:
 
 @dataclass(frozen=True)
 class ComputeInfo:
-    """A registered compute instance: where the router reaches it, and how its homes are named."""
+    """A registered compute instance: where the router reaches it, and how its homes are named.
+    ``identity``: the subject of the certificate it registered with ('' = plaintext), whom its id belongs
+    to while its lease lives."""
 
     instance_id: str
     address: str
     home_server_ids: tuple[str, ...] = ()
     node_name: str = ""
+    identity: str = ""
 
     def __post_init__(self) -> None:
         check_id("instance_id", self.instance_id)
@@ -54,12 +57,15 @@ class ComputeInfo:
 
     def to_json(self) -> bytes:
         value = {"address": self.address, "home_server_ids": list(self.home_server_ids), "node_name": self.node_name}
+        if self.identity:  # records of plaintext instances read as before
+            value["identity"] = self.identity
         return json.dumps(value, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, instance_id: str, data: bytes) -> ComputeInfo:
         value = json.loads(data)
-        return cls(instance_id, value["address"], tuple(value.get("home_server_ids", ())), value.get("node_name", ""))
+        homes = tuple(value.get("home_server_ids", ()))
+        return cls(instance_id, value["address"], homes, value.get("node_name", ""), value.get("identity", ""))
 
     def homes(self, servers: Iterable[MemberInfo]) -> tuple[str, ...]:
         """The named homes plus the live attention servers on this instance's node, sorted."""
@@ -166,6 +172,17 @@ class ComputeInstances:
             )
             for m in self.members.members()
         ]
+
+    def check_owner(self, instance_id: str, identity: str) -> None:
+        """Raises ``PermissionDenied`` when ``instance_id`` is registered live by another certificate subject
+        than ``identity``: an instance's id, load and sequences are its own while its lease lives."""
+        live = next((m.info for m in self.members.members() if m.info.instance_id == instance_id), None)
+        if live is not None and live.identity != identity:
+            raise PermissionDenied(
+                f"compute instance {instance_id[:64]!r} is registered by another identity; it may register again "
+                "when that registration's lease ends",
+                param="instance_id",
+            )
 
     def _joined(self, instance_id: str, info: ComputeInfo) -> None:
         homes, node = ", ".join(info.home_server_ids) or "-", info.node_name or "-"

@@ -187,11 +187,15 @@ class GlobalManager:
 
     # ---- compute instances -----------------------------------------------------------------------
     async def register_compute(self, info: ComputeInfo, ttl_s: int | None = None) -> Registration:
-        """Register a compute instance under a lease of ``ttl_s`` seconds (default ``member_ttl_s``).
+        """Register a compute instance under a lease of ``ttl_s`` seconds (default ``member_ttl_s``). While a
+        registration of ``info.instance_id`` lives, only the same identity (``info.identity``, its
+        certificate's subject) may register it again, at any address (a restarted instance on a new port).
 
         Raises:
+            PermissionDenied: ``info.instance_id`` is registered live by another identity.
             NotLeader: this manager does not lead.
         """
+        self.computes.check_owner(info.instance_id, info.identity)
         return await self.computes.register(info, ttl_s or self.config.member_ttl_s)
 
     async def heartbeat_compute(self, instance_id: str, load: ComputeLoad) -> int:

@@ -119,11 +119,13 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
 
     # ---- compute instances -----------------------------------------------------------------------
     async def RegisterCompute(self, request: mpb.RegisterComputeRequest, context) -> mpb.RegisterComputeResponse:  # noqa: N802, ANN001
-        info = ComputeInfo(request.instance_id, request.address, tuple(request.home_server_ids), request.node_name)
+        homes, identity = tuple(request.home_server_ids), peer_of(context).identity
+        info = ComputeInfo(request.instance_id, request.address, homes, request.node_name, identity)
         reg = await self.manager.register_compute(info)
         return mpb.RegisterComputeResponse(lease_ttl_s=reg.ttl_s)
 
     async def HeartbeatCompute(self, request: mpb.HeartbeatComputeRequest, context) -> mpb.HeartbeatComputeResponse:  # noqa: N802, ANN001
+        self.manager.computes.check_owner(request.instance_id, peer_of(context).identity)
         load = ComputeLoad(request.num_running, request.num_waiting, request.num_tokens_held, time.monotonic())
         await self.manager.heartbeat_compute(request.instance_id, load)
         if self.reports is not None and request.reports_seq_ids:
@@ -157,6 +159,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         return mpb.HeartbeatComputeResponse(migrations=orders)
 
     async def DeregisterCompute(self, request: mpb.DeregisterComputeRequest, context) -> mpb.DeregisterComputeResponse:  # noqa: N802, ANN001
+        self.manager.computes.check_owner(request.instance_id, peer_of(context).identity)
         await self.manager.deregister_compute(request.instance_id)
         return mpb.DeregisterComputeResponse()
 
