@@ -66,8 +66,8 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
                 raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n!r}", param=name)
-        if not self.temperature >= 0:  # also rejects NaN
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN; inf makes masked logits NaN
+            raise InvalidRequest(f"temperature must be >= 0 and finite, got {self.temperature!r}", param="temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.top_k is not None and self.top_k < 1:

@@ -15,6 +15,7 @@ import torch
 
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.ids import check_id
 from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
 from infinite_llm.services.attention.types import HolderStats, ServerStep
 from infinite_llm.services.attention.validation import (
@@ -59,9 +60,8 @@ class ServedRManager:
 
     # ---- placement (two-phase) -----------------------------------------------------------------------
     def reserve(self, seq_id: str, num_blocks: int) -> Reservation:
-        """Phase one: hold ``num_blocks`` (>= 1) free rBlocks for ``seq_id``."""
-        if not seq_id:
-            raise InvalidRequest("seq_id must not be empty")
+        """Phase one: hold ``num_blocks`` (>= 1) free rBlocks for ``seq_id`` (an id by ``core/ids.py``)."""
+        check_id("seq_id", seq_id)
         if num_blocks < 1:
             raise InvalidRequest(f"num_blocks must be >= 1, got {num_blocks}")
         self.expire_reservations()
@@ -99,7 +99,9 @@ class ServedRManager:
 
     def free_sequence(self, seq_id: str, block_indices: list[int] | None = None) -> int:
         """Free the sequence's rBlocks and open reservations; returns the rBlocks freed (0 if unknown).
-        With ``block_indices`` only those logical rBlocks go (``InvalidRequest`` if one is not held here)."""
+        With ``block_indices`` only those logical rBlocks go (``InvalidRequest`` if one is not held here, or
+        for a malformed id)."""
+        check_id("seq_id", seq_id)
         if block_indices:
             return self.rm.free_blocks(seq_id, block_indices)
         freed = self.rm.free_sequence(seq_id)
@@ -143,6 +145,7 @@ class ServedRManager:
         ``[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` on CPU in the layout dtype,
         contiguous.
         """
+        check_id("seq_id", seq_id)
         owned = self.rm.owned_blocks(seq_id)
         if not owned:
             raise NotFound(f"sequence {seq_id!r} holds no rBlocks here")
@@ -160,6 +163,7 @@ class ServedRManager:
         ``reservation_id`` 0 reserves the blocks now; otherwise it must be an open reservation of
         ``seq_id`` with exactly ``shape[2]`` blocks.
         """
+        check_id("seq_id", seq_id)
         n = check_payload(shape, dtype, self.layout)
         if reservation_id == 0:
             return self.reserve(seq_id, n)

@@ -10,17 +10,27 @@ from __future__ import annotations
 import torch
 
 from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.ids import check_id
 from infinite_llm.core.rmanager import KVLayout, SeqStep
 from infinite_llm.services.attention.types import ServerStep
 
 
 def check_step_open(seqs: list[SeqStep], num_heads: int, layout: KVLayout) -> None:
-    """Validate a step's opening: at least one sequence and a query head count that fits the layout.
+    """Validate a step's opening: at least one sequence, each with a well-formed id (``core/ids.py``),
+    ``num_computed_tokens >= 0`` and ``num_new >= 1``, and a query head count that fits the layout: a
+    malformed opening is INVALID_ARGUMENT before any sequence is looked up.
 
-    Ids, duplicates and token counts are ``RManager.plan_step``'s preconditions, checked there.
+    Ownership and duplicates are ``RManager.plan_step``'s preconditions, checked there.
     """
     if not seqs:
         raise InvalidRequest("a step must name at least one sequence")
+    for s in seqs:
+        check_id("seq_id", s.seq_id)
+        if s.num_computed_tokens < 0 or s.num_new < 1:
+            raise InvalidRequest(
+                f"sequence {s.seq_id!r}: num_computed_tokens {s.num_computed_tokens} must be >= 0 and "
+                f"num_new {s.num_new} >= 1"
+            )
     if num_heads < 1 or num_heads % layout.num_kv_heads:
         raise InvalidRequest(f"num_heads {num_heads} is not a positive multiple of {layout.num_kv_heads}")
 

@@ -17,7 +17,14 @@ from dataclasses import dataclass, replace
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound, PermissionDenied, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
-from infinite_llm.services.manager.computes import ComputeInfo, ComputeInstances, ComputeLoad, ComputeState, debts
+from infinite_llm.services.manager.computes import (
+    ComputeInfo,
+    ComputeInstances,
+    ComputeLoad,
+    ComputeState,
+    check_address,
+    debts,
+)
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
 from infinite_llm.services.manager.membership import Membership, Registration
@@ -136,13 +143,14 @@ class GlobalManager:
         same identity at the same address may register it again (a restart, a lost reply).
 
         Raises:
-            InvalidRequest: a bad id, node name, capacity (rBlocks) or block size (tokens).
+            InvalidRequest: a bad id, address, node name, capacity (rBlocks) or block size (tokens).
             FailedPrecondition: the server's block size differs from the cluster's.
             PermissionDenied: ``server_id`` is registered live from another identity or address.
             NotLeader: this manager does not lead.
         """
-        self.check_block_size(block_size, f"attention server {server_id!r}")
         info = MemberInfo(server_id, address, capacity_blocks, block_size, kind, node_name, identity)
+        check_address(address)
+        self.check_block_size(block_size, f"attention server {server_id!r}")
         live = next((m.info for m in self.membership.members() if m.info.server_id == server_id), None)
         if live is not None and (live.identity, live.address) != (identity, address):
             raise PermissionDenied(
@@ -253,6 +261,8 @@ class GlobalManager:
             raise InvalidRequest(f"first_index must be >= 0, got {first_index}", param="first_block_index")
         if owner:
             check_id("instance_id", owner)
+        if near:
+            check_id("near_server_id", near)
         self.leadership.fence()  # fail before reserving anything
         record = await self.ledger.read(seq_id)
         homes, lenders = await self.rebalancer.placement_targets(owner, n_blocks) if owner else ((), None)

@@ -212,7 +212,9 @@ class RouterServicer(rgrpc.RouterServicer):
 
     async def Abort(self, request: gpb.AbortRequest, context: grpc.aio.ServicerContext) -> gpb.AbortResponse:  # noqa: N802
         """Abort a request of the caller's own (same certificate identity and API key); another tenant's
-        request reads as unknown (``aborted=False``), so ids cannot be probed either."""
+        request reads as unknown (``aborted=False``), so ids cannot be probed either. A malformed id is
+        INVALID_ARGUMENT, as in ``Generate``."""
+        check_id("request_id", request.request_id)
         owned = self._owner.get(request.request_id)
         if owned is None or owned[1] != tenant_of(context):
             return gpb.AbortResponse(aborted=False)
