@@ -160,7 +160,9 @@ def serve_attention(
 
 @serve_app.command("manager")
 def serve_manager(
-    etcd: Annotated[str, typer.Option(help="etcd client endpoint HOST:PORT.")] = "127.0.0.1:2379",
+    etcd: Annotated[
+        str, typer.Option(help="etcd client endpoint HOST:PORT, or https://HOST:PORT to dial it with --tls-dir's cert.")
+    ] = "127.0.0.1:2379",
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port.")] = 50050,
     manager_id: Annotated[str, typer.Option(help="Identity in the leader election.")] = "manager-0",
@@ -497,7 +499,7 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
     table.add_column("metrics")
     table.add_column("log")
     if mesh.etcd is not None:
-        table.add_row("etcd", f"{mesh.etcd.host}:{mesh.etcd.client_port}", "", str(mesh.etcd.log_path))
+        table.add_row("etcd", mesh.etcd.endpoint, "", str(mesh.etcd.log_path))
     for p in mesh.procs:
         metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else ""
         table.add_row(p.name, p.address, metrics, str(p.log_path))

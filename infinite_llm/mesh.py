@@ -35,7 +35,7 @@ from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.tls import TLS_DIR_ENV, TlsConfig, load_tls_dir
-from infinite_llm.state.etcd_launcher import EtcdProcess, free_port, start_etcd
+from infinite_llm.state.etcd_launcher import EtcdProcess, EtcdTls, free_port, start_etcd
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -140,7 +140,8 @@ class LocalMesh:
         c = self.config
         try:
             self._setup_tls()
-            self.etcd = start_etcd(data_dir=self.log_dir / "etcd")
+            tls = EtcdTls.from_tls_dir(self.tls_dir) if self.tls_dir else None  # etcd takes the manager only
+            self.etcd = start_etcd(data_dir=self.log_dir / "etcd", tls=tls)
             manager_port = c.manager_port or free_port()
             self._spawn(
                 "manager",
@@ -148,7 +149,7 @@ class LocalMesh:
                 manager_port,
                 [
                     "--etcd",
-                    f"{self.etcd.host}:{self.etcd.client_port}",
+                    self.etcd.endpoint.removeprefix("http://"),
                     "--member-ttl",
                     str(c.member_ttl_s),
                     "--block-size",

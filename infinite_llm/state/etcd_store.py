@@ -5,7 +5,8 @@ Only one gRPC-based etcd client may be imported per process (ENV.md), so every e
 delete, leases (grant, keep-alive task, revoke), transactions with compares on ``mod_revision`` /
 ``version`` (compare-and-swap), and prefix watches. Keys are strings relative to ``prefix``; values are
 bytes. Every etcd failure is raised as :class:`Unavailable` (a lease etcd does not know as
-:class:`NotFound`), so callers see only the project's typed errors.
+:class:`NotFound`), so callers see only the project's typed errors. Given a ``TlsConfig``, it dials etcd
+over mTLS with that certificate (aetcd itself dials plaintext only: :class:`_TlsClient`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from typing import Literal
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
 import aetcd.transactions as txn_ops
+import aetcd.watcher
 import grpc
 from aetcd import utils as aetcd_utils
 
 from infinite_llm.core.errors import NotFound, Unavailable
+from infinite_llm.rpc.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +143,28 @@ def _etcd_errors(fn):
     return wrapper
 
 
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a TLS channel with a client certificate (etcd's ``--client-cert-auth``)."""
+
+    def __init__(self, host: str, port: int, timeout: float, tls: TlsConfig) -> None:
+        super().__init__(host=host, port=port, timeout=timeout)
+        self._tls = tls
+
+    async def connect(self) -> None:
+        """Open the channel and its stubs (as ``aetcd.Client.connect``, without user/password auth)."""
+        if self._connected.is_set():
+            return
+        options = [*self._options.items(), *self._tls.channel_options()]
+        target = f"{self._host}:{self._port}"
+        self.channel = aetcd.rpc.secure_channel(target, self._tls.channel_credentials(), options=options)
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout)
+        self._connected.set()
+
+
 class EtcdStore:
     """Async etcd access under ``prefix`` (default ``/infinite-llm/``), over one gRPC channel.
 
@@ -146,18 +172,28 @@ class EtcdStore:
         host, port: the etcd client endpoint.
         prefix: prepended to every key; must end with ``/``.
         timeout_s: per-request deadline in seconds.
+        tls: dial over mTLS with this identity (``None``: plaintext). etcd serves the manager's
+            certificate in a local mesh, so the channel checks the mesh's server name.
 
     Raises (every method): Unavailable when etcd cannot be reached or fails the request.
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 2379, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0
+        self,
+        host: str = "127.0.0.1",
+        port: int = 2379,
+        prefix: str = DEFAULT_PREFIX,
+        timeout_s: float = 5.0,
+        tls: TlsConfig | None = None,
     ) -> None:
         if not prefix.endswith("/"):
             raise ValueError(f"prefix must end with '/', got {prefix!r}")
         self.prefix = prefix
         self.target = f"{host}:{port}"
-        self._client = aetcd.Client(host=host, port=port, timeout=timeout_s)
+        if tls is None:
+            self._client = aetcd.Client(host=host, port=port, timeout=timeout_s)
+        else:
+            self._client = _TlsClient(host, port, timeout_s, tls)
 
     # ---- connection ------------------------------------------------------------------------------
     @_etcd_errors

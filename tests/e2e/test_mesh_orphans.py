@@ -156,7 +156,7 @@ def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh):
     port, data_dir = mesh.etcd.client_port, mesh.etcd.data_dir
     mesh.etcd.stop()
     time.sleep(3.0)
-    mesh.etcd = start_etcd(data_dir=data_dir, client_port=port)
+    mesh.etcd = start_etcd(data_dir=data_dir, client_port=port, tls=mesh.etcd.tls)
     streams.join()
     assert streams.errors == [None, None]
     assert streams.tokens == ref

@@ -15,6 +15,7 @@ from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.rpc.tls import FROM_PROCESS, resolve
 from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, DrainGuard, KubernetesScaler
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
 from infinite_llm.services.manager.manager import GlobalManager, ManagerConfig
@@ -28,7 +29,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ManagerServerConfig:
-    """``etcd`` is ``host:port`` of an etcd client endpoint; TTLs in seconds."""
+    """``etcd`` is ``host:port`` of an etcd client endpoint, or ``https://host:port`` for an etcd that
+    takes only clients with a certificate of the cluster CA (the manager dials it with its own identity,
+    ``--tls-dir``); TTLs in seconds."""
 
     etcd: str
     host: str = "127.0.0.1"
@@ -44,17 +47,27 @@ class ManagerServerConfig:
     autoscale: AutoscaleSettings | None = None  # scale the attention StatefulSet (in a Kubernetes pod only)
 
     def __post_init__(self) -> None:
-        host, _, port = self.etcd.rpartition(":")
+        host, _, port = self.etcd.removeprefix("https://").rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"--etcd must be HOST:PORT, got {self.etcd!r}")
+            raise ValueError(f"--etcd must be HOST:PORT or https://HOST:PORT, got {self.etcd!r}")
+
+    def etcd_store(self) -> EtcdStore:
+        """The manager's etcd client; over mTLS with this process's identity for an ``https://`` endpoint.
+        Raises ValueError for an ``https://`` endpoint when the process has no identity (``--insecure``)."""
+        host, _, port = self.etcd.removeprefix("https://").rpartition(":")
+        tls = None
+        if self.etcd.startswith("https://"):
+            tls = resolve(FROM_PROCESS)
+            if tls is None:
+                raise ValueError(f"--etcd {self.etcd} needs a certificate: give --tls-dir, not --insecure")
+        return EtcdStore(host, int(port), prefix=self.prefix, tls=tls)
 
 
 async def serve(config: ManagerServerConfig) -> None:
     setup_tracing("manager")
     scale = config.autoscale
     scaler = None if scale is None else KubernetesScaler.in_cluster(scale.statefulset, scale.namespace)  # fail fast
-    host, _, port = config.etcd.rpartition(":")
-    store = EtcdStore(host, int(port), prefix=config.prefix)
+    store = config.etcd_store()
     await store.connect()
     holder: list[GlobalManagerServicer] = []
     servers = GrpcBlockServers(lambda sid: holder[0].address_of(sid))
