@@ -68,7 +68,7 @@ def test_second_manager_cannot_write_while_the_first_leads(etcd_server, etcd_pre
                 with pytest.raises(NotLeader):
                     await other.release("s")
                 with pytest.raises(NotLeader):
-                    await other.register("z", "x", 4, 4)
+                    await other.register("z", "10.0.0.9:50051", 4, 4)
                 with pytest.raises(NotLeader, match="within 0.3 s"):
                     await other.acquire_leadership(0.3)
                 assert (pool_state(servers), (await leader.cluster_state()).ledger) == before
