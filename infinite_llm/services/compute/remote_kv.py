@@ -33,6 +33,7 @@ CAPACITY_REFRESH_S = 1.0  # how stale the cluster's capacity view may be before 
 # Only UNAVAILABLE is retried: a Place that timed out may still land, and placing twice would not be idempotent.
 PLACE_RETRY_S = 1.0
 TRANSPORTS = ("grpc", "torch")
+STARTUP_RETRY_S = 30.0  # how long a starting instance waits for an unreachable manager (seconds)
 
 
 class ManagerPlacement:
@@ -76,9 +77,19 @@ class ManagerPlacement:
 
     def check_cluster(self) -> None:
         """Fail fast at startup: raises ``FailedPrecondition`` when a live attention server's block size
-        differs from this instance's (the manager refuses such placements anyway)."""
+        differs from this instance's (the manager refuses such placements anyway). A manager that is
+        unreachable (starting, or its TLS handshake timed out on a loaded host) is retried with backoff for
+        ``STARTUP_RETRY_S`` seconds before ``Unavailable`` ends the start."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(
+                lambda e: isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
+            ),
+            wait=tenacity.wait_exponential(multiplier=0.2, max=2.0),
+            stop=tenacity.stop_after_delay(STARTUP_RETRY_S),
+            reraise=True,
+        )
         try:
-            state = self._manager.GetClusterState(mpb.ClusterStateRequest(), timeout=self.timeout_s)
+            state = retrying(self._manager.GetClusterState, mpb.ClusterStateRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
         other = sorted({s.block_size for s in state.servers} - {self.block_size})
