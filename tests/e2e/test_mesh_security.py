@@ -195,3 +195,26 @@ def test_a_live_compute_id_cannot_be_registered_or_spoken_for_by_another_identit
     assert _computes(mesh) == before
     with Client(mesh.router_address) as c:
         assert c.generate(PROMPT, max_tokens=4, temperature=0).finish_reason == "length"
+
+
+def test_the_meshs_etcd_refuses_plaintext_and_another_ca(mesh, tmp_path):
+    """Issue 11's "etcd itself is open": the mesh's etcd serves TLS and takes only cluster certificates."""
+    import asyncio
+
+    from infinite_llm.core.errors import Unavailable
+    from infinite_llm.state.etcd_store import EtcdStore
+
+    assert mesh.etcd.endpoint.startswith("https://") and mesh.etcd.is_healthy()
+    other_ca = load_tls_dir(write_tls_dir(tmp_path / "other"), "manager")
+
+    async def list_members(tls: TlsConfig | None) -> None:
+        store = EtcdStore(mesh.etcd.host, mesh.etcd.client_port, timeout_s=3.0, tls=tls)
+        await store.connect()
+        try:
+            await store.get_prefix("members/")
+        finally:
+            await store.close()
+
+    for refused in (None, other_ca):
+        with pytest.raises(Unavailable):
+            asyncio.run(list_members(refused))
