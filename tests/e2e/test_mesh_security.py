@@ -218,3 +218,27 @@ def test_the_meshs_etcd_refuses_plaintext_and_another_ca(mesh, tmp_path):
     for refused in (None, other_ca):
         with pytest.raises(Unavailable):
             asyncio.run(list_members(refused))
+
+
+def test_another_compute_identity_can_neither_grow_nor_release_a_live_instances_sequence(mesh, cluster_tls_dir):
+    """A valid compute certificate with another subject learns a running sequence's id (from the ledger):
+    its Release and Place of that sequence are PERMISSION_DENIED (as the owning instance, or naming no
+    instance), and the victim's stream ends with every token of an undisturbed run."""
+    intruder = _forged(cluster_tls_dir, "compute", "intruder")
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    with Client(mesh.router_address) as client:
+        undisturbed = client.generate(PROMPT, **PARAMS).token_ids
+        stream = client.stream(PROMPT, **PARAMS)
+        chunks = [next(stream)]
+        (entry,) = cluster_state(mesh.manager_address).ledger  # the victim's sequence, placed and owned
+        assert entry.instance_id in _computes(mesh)
+        with sync_channel(mesh.manager_address, tls=intruder) as ch:
+            stub = mgrpc.GlobalManagerStub(ch)
+            assert _code(stub.Release, mpb.ReleaseRequest(seq_id=entry.seq_id)) == denied
+            for instance_id in (entry.instance_id, ""):
+                grow = mpb.PlaceRequest(seq_id=entry.seq_id, num_blocks=1, instance_id=instance_id)
+                assert _code(stub.Place, grow) == denied
+        chunks.extend(stream)
+    assert [t for c in chunks for t in c.token_ids] == undisturbed
+    assert chunks[-1].finish_reason == "length"
+    assert wait_until(lambda: all_blocks_free(mesh) and not cluster_state(mesh.manager_address).ledger)

@@ -231,7 +231,13 @@ class GlobalManager:
 
     # ---- placement -------------------------------------------------------------------------------
     async def place(
-        self, seq_id: str, n_blocks: int, near: str | None = None, first_index: int = 0, owner: str = ""
+        self,
+        seq_id: str,
+        n_blocks: int,
+        near: str | None = None,
+        first_index: int = 0,
+        owner: str = "",
+        identity: str | None = None,
     ) -> list[Grant]:
         """Place ``n_blocks`` more rBlocks of ``seq_id``: near server and the owner's homes first, then the
         servers the planner lets the owner borrow from (:meth:`.Rebalancer.placement_targets`).
@@ -243,12 +249,15 @@ class GlobalManager:
         servers record each rBlock's index at commit, in grant order, and plan steps from them.
         ``owner``: the compute instance running the sequence ('' = not told); the ledger records it with the
         sequence's first placement, which is how debts are counted.
+        ``identity``: the caller's certificate subject (``None``: the manager itself, unchecked); a sequence
+        owned by a live compute instance grows only for the identity that registered that instance.
 
         Returns:
             One :class:`Grant` per server used, in placement order (near server first).
 
         Raises:
             InvalidRequest: bad ``seq_id`` or ``n_blocks <= 0``.
+            PermissionDenied: ``owner`` or the sequence's recorded owner is live under another identity.
             CapacityExhausted: the cluster cannot hold them; no reservation or ledger change remains.
             NotLeader: this manager does not lead (nothing remains reserved).
             Unavailable: etcd failed (reservations cancelled), or a server died between reserve and commit
@@ -265,6 +274,7 @@ class GlobalManager:
             check_id("near_server_id", near)
         self.leadership.fence()  # fail before reserving anything
         record = await self.ledger.read(seq_id)
+        self._check_owner(record, owner, identity)
         homes, lenders = await self.rebalancer.placement_targets(owner, n_blocks) if owner else ((), None)
         held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near, homes, lenders)
         try:
@@ -296,14 +306,24 @@ class GlobalManager:
             first_index += h.n_blocks
         return grants
 
-    async def release(self, seq_id: str) -> int:
+    def _check_owner(self, record: LedgerRecord, owner: str, identity: str | None) -> None:
+        """Raises ``PermissionDenied`` when ``identity`` speaks for a live compute instance it did not
+        register: the one it names (``owner``) or the one the ledger records for the sequence."""
+        if identity is None:
+            return
+        for instance_id in {owner, record.owner} - {""}:
+            self.computes.check_owner(instance_id, identity)
+
+    async def release(self, seq_id: str, identity: str | None = None) -> int:
         """Free every rBlock of ``seq_id`` on its servers and delete its ledger key; returns rBlocks freed.
 
         Servers are freed before the ledger key goes, so a crash in between leaves a ledger entry to retry,
-        never a leaked block. An unreachable server is skipped (its blocks died with it).
+        never a leaked block. An unreachable server is skipped (its blocks died with it). ``identity``: the
+        caller's certificate subject, as for :meth:`place` (``None``: the manager itself).
 
         Raises:
             NotFound: the ledger has no placement for ``seq_id``.
+            PermissionDenied: the sequence's owner is live under another identity.
             NotLeader: this manager does not lead.
         """
         check_id("seq_id", seq_id)
@@ -312,6 +332,7 @@ class GlobalManager:
         for _ in range(self.config.max_txn_attempts):
             if record.mod_revision == 0:
                 raise NotFound(f"no placement for sequence {seq_id!r}")
+            self._check_owner(record, "", identity)
             freed += await self._free_on_servers(seq_id, record.entries)
             conflict = await self.ledger.swap(record, None)
             if conflict is None:

@@ -76,6 +76,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 request.near_server_id or None,
                 request.first_block_index,
                 owner=request.instance_id,
+                identity=peer_of(context).identity,
             )
         except CapacityExhausted:
             self.metrics.placement_failures.inc()
@@ -90,7 +91,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         )
 
     async def Release(self, request: mpb.ReleaseRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        freed = await self.manager.release(request.seq_id)
+        freed = await self.manager.release(request.seq_id, identity=peer_of(context).identity)
         self.metrics.releases.inc()
         return mpb.ReleaseResponse(num_freed=freed)
 
