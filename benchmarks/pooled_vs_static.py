@@ -218,24 +218,24 @@ def main() -> None:
     trace = long_tail_trace(tokenizer.encode(TEXT), a.short, a.long, a.home_blocks * BLOCK_SIZE)
     print(
         f"trace: {len(trace)} requests ({a.short} short, {a.long} long); 2 instances, home {a.home_blocks} rBlocks "
-        f"x {BLOCK_SIZE} tokens each (pool {2 * a.home_blocks * BLOCK_SIZE} tokens)"
+        f"x {BLOCK_SIZE} tokens each (pool {2 * a.home_blocks * BLOCK_SIZE} tokens)",
+        flush=True,
     )
     modes = [m.strip() for m in a.modes.split(",")]
     if unknown := set(modes) - set(MODES):
         ap.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
-    figures = {}
-    for mode in modes:
-        tokens_per_step = MODES[mode]
-        figures[mode] = (
-            run_static(trace, home_bytes) if tokens_per_step is None else run_pooled(trace, home_bytes, tokens_per_step)
-        )
     header = f"{'mode':22} {'tok/s':>8} {'completed':>9} {'refused':>7} {'longest ctx':>11}"
     print(f"{header} {'migrations':>10} {'MiB moved':>9} {'prompt tok':>10} {'batch':>5} {'ITL ms':>6} {'hop ms':>6}")
-    for mode, f in figures.items():
+    figures = {}
+    for mode in modes:  # a row as each mode ends (a run of all four takes minutes per mesh start on 2 cores)
+        tokens_per_step = MODES[mode]
+        f = run_static(trace, home_bytes) if tokens_per_step is None else run_pooled(trace, home_bytes, tokens_per_step)
+        figures[mode] = f
         print(
             f"{mode:22} {f.tokens_per_s:8.1f} {f.completed:9d} {f.refused:7d} {f.longest_context:11d} "
             f"{f.migrations:10.0f} {f.bytes_moved / 2**20:9.2f} {f.prompt_tokens:10d} {f.batch:5.2f} "
-            f"{f.itl_s * 1e3:6.1f} {f.attention_rpc_s * 1e3:6.2f}"
+            f"{f.itl_s * 1e3:6.1f} {f.attention_rpc_s * 1e3:6.2f}",
+            flush=True,
         )
     if "pooled, 32/step" in figures and "pooled, no migration" in figures:
         still = figures["pooled, no migration"].tokens_per_s
