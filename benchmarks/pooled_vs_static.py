@@ -44,8 +44,13 @@ from infinite_llm.state.etcd_launcher import free_port
 BLOCK_SIZE = 16
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
 MIGRATION_ENV = "INFINITE_LLM_MIGRATION_TOKENS_PER_STEP"  # read by `serve compute` (its default: 16)
-# mode -> migration tokens per step of its pooled mesh (static: None, two meshes of one instance each)
-MODES = {"static": None, "pooled": 16, "pooled, no migration": 0, "pooled, 32/step": 32}
+# --modes key -> (printed mode, migration tokens per step of its pooled mesh; static: None, two meshes)
+MODES = {
+    "static": ("static", None),
+    "pooled": ("pooled", 16),
+    "no-migration": ("pooled, no migration", 0),
+    "migration-32": ("pooled, 32/step", 32),
+}
 
 
 @dataclass
@@ -227,8 +232,8 @@ def main() -> None:
     header = f"{'mode':22} {'tok/s':>8} {'completed':>9} {'refused':>7} {'longest ctx':>11}"
     print(f"{header} {'migrations':>10} {'MiB moved':>9} {'prompt tok':>10} {'batch':>5} {'ITL ms':>6} {'hop ms':>6}")
     figures = {}
-    for mode in modes:  # a row as each mode ends (a run of all four takes minutes per mesh start on 2 cores)
-        tokens_per_step = MODES[mode]
+    for key in modes:  # a row as each mode ends (a run of all four takes minutes per mesh start on 2 cores)
+        mode, tokens_per_step = MODES[key]
         f = run_static(trace, home_bytes) if tokens_per_step is None else run_pooled(trace, home_bytes, tokens_per_step)
         figures[mode] = f
         print(
