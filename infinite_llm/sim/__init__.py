@@ -12,7 +12,9 @@ Assumptions (also in the README, "The simulator"):
   context (prompt + output) at admission, so nothing is preempted. A request no placement could ever hold
   (static: more than the home; pooled: more than the pool) is refused.
 - Throughput is output tokens per second over the saturated window (every instance has work waiting),
-  leaving out the first quarter of the horizon (ramp-up).
+  leaving out the first quarter of the horizon (ramp-up). Each run also reports its regime (mean running
+  batch, home KV used): the paper's pooled gain needs memory-bound instances (debtors) and instances with
+  idle memory (creditors) at once; round-robin routing of one trace at saturation makes instances alike.
 - Step cost: ``dense(B, tokens) + max(home attention, slowest remote partial + round trips)`` plus causal
   prefill attention, roofline coefficients for GPUs (:class:`~.calibration.InstanceCost`); a server's KV
   of a sequence is its share of the sequence's rBlocks; a creditor pays the attention over what it lends.

@@ -120,6 +120,7 @@ class ModelReport:
     results: dict[tuple[str, str], SimResult]  # (trace, mode) -> result
     longest_pooled: int
     longest_static: int
+    max_num_seqs: int = 256
 
     def ratios(self) -> dict[str, float]:
         def tput(trace: str, mode: str) -> float:
@@ -184,6 +185,7 @@ def run_model(
         results=results,
         longest_pooled=longest_placeable(configs["pooled"], setting.max_context),
         longest_static=longest_placeable(configs["static"], setting.max_context),
+        max_num_seqs=setting.max_num_seqs,
     )
 
 
@@ -233,10 +235,47 @@ def report_lines(report: ModelReport, single_shape: str) -> list[str]:
             f"{s.tokens_per_s:,.0f} tok/s (refused {s.refused}), single {g.tokens_per_s:,.0f} tok/s; "
             f"prompt+output {p.all_tokens_per_s:,.0f} / {s.all_tokens_per_s:,.0f} / {g.all_tokens_per_s:,.0f} tok/s"
         )
+    for trace in ("short", "long"):
+        p, s, g = r[(trace, "pooled")], r[(trace, "static")], r[(trace, "single")]
+        lines.append(
+            f"  {trace} regime: mean batch {p.mean_batch:.0f} / {s.mean_batch:.0f} / {g.mean_batch:.0f} of "
+            f"{report.max_num_seqs}, home KV used {p.home_used:.0%} / {s.home_used:.0%} / {g.home_used:.0%} "
+            "(pooled / static / single)"
+        )
     for name, value in report.ratios().items():
         low, high = PAPER_RATIOS[name]
         lines.append(f"  {name} {value:.2f}x (paper {low:g}-{high:g}x): {compare(value, PAPER_RATIOS[name])}")
+        if name == "pooled/static short" and value < low:
+            lines.append(f"    why: {regime_note(r[('short', 'pooled')], r[('short', 'static')], report.max_num_seqs)}")
     return lines
+
+
+def regime_note(pooled: SimResult, static: SimResult, max_num_seqs: int) -> str:
+    """Why pooling gains less over static instances than the paper, read from the two runs (PAPER.md
+    "Problem": the gain is memory that instances serving short requests leave idle, lent to instances whose
+    batch long contexts hold down; none of that exists when every static instance is memory-bound)."""
+    notes = []
+    if static.home_used >= 0.8 and static.mean_batch < 0.9 * max_num_seqs:
+        notes.append(
+            f"static instances are memory-bound (home KV {static.home_used:.0%} used, batch "
+            f"{static.mean_batch:.0f} of {max_num_seqs}): no instance leaves memory idle, so pooling only moves "
+            "KV between full homes"
+        )
+    elif static.mean_batch >= 0.9 * max_num_seqs:
+        notes.append(
+            f"static instances are batch-capped (batch {static.mean_batch:.0f} of {max_num_seqs}, home KV "
+            f"{static.home_used:.0%} used): long contexts rarely hold a batch down, so there is little to lend for"
+        )
+    else:
+        notes.append(
+            f"static instances run batch {static.mean_batch:.0f} of {max_num_seqs} at home KV {static.home_used:.0%}"
+        )
+    if static.refused > pooled.refused:
+        notes.append(
+            f"static refused {static.refused - pooled.refused} requests larger than a home that pooled serves "
+            "(their prefill and memory count against pooled's output tokens)"
+        )
+    return "; ".join(notes)
 
 
 def single_shape(setting: Setting) -> str:

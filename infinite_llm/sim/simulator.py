@@ -75,6 +75,11 @@ class SimResult:
     with a horizon, its first quarter (the ramp-up: every instance prefilling its first batch) is left out.
     ``window_s``/``window_tokens``: that window and the output tokens decoded in it; ``makespan_s``: the
     last completion when the run went on to the end, else the window's end.
+
+    ``mean_batch`` (running sequences per instance) and ``home_used`` (used fraction of each instance's home
+    rBlocks, every owner's) are averaged over the instances' step time after the ramp-up. They tell the
+    regime: a batch at ``max_num_seqs`` with home memory to spare is batch-capped (it could lend, a creditor
+    in PAPER.md's terms), a batch far below it with a full home is memory-bound (a debtor).
     """
 
     window_tokens: int
@@ -88,6 +93,8 @@ class SimResult:
     migrations: int
     migrated_blocks: int
     events: int
+    mean_batch: float = 0.0
+    home_used: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -134,6 +141,8 @@ class Simulator:
         self.output_tokens = self.prompt_tokens = self.served = self.refused = self.longest = self.events = 0
         self.makespan = 0.0
         self.seqs: dict[str, SimSeq] = {}  # running sequences by id
+        # step seconds, batch x seconds, home used fraction x seconds: over the whole run, and after the ramp-up
+        self._regime = {"all": [0.0, 0.0, 0.0], "warm": [0.0, 0.0, 0.0]}
 
     def schedule(self, at: float, kind: str, payload: object) -> None:
         self._seqno += 1
@@ -166,6 +175,7 @@ class Simulator:
         start = self.warm if self.warm is not None and self.warm[2] < end_s else (0, 0, 0.0)
         window_tokens, window_prompt, window_s = end_out - start[0], end_prompt - start[1], end_s - start[2]
         makespan = self.makespan if self.to_completion else window_s
+        seconds, batch_s, used_s = self._regime["warm" if start[2] > 0 else "all"]
         return SimResult(
             window_tokens,
             window_prompt,
@@ -177,6 +187,8 @@ class Simulator:
             self.longest,
             *moved,
             self.events,
+            batch_s / seconds if seconds else 0.0,
+            used_s / seconds if seconds else 0.0,
         )
 
     async def _start_together(self) -> None:
@@ -256,6 +268,12 @@ class Simulator:
             duration, steps = self._decode_steps(inst)
             inst.samples.append(StepSample(batch, resident, duration / steps))  # what the planner fits
         inst.last_step_s = duration / steps
+        used = self.servers.used(inst.home) / self.servers.capacity[inst.home]
+        for key in ("all", "warm") if self.now >= self.warmup_s else ("all",):
+            acc = self._regime[key]
+            acc[0] += duration
+            acc[1] += len(inst.running) * duration
+            acc[2] += used * duration
         await self._retire(inst, self.now + duration)
         self.schedule(self.now + duration, "step", inst)
 

@@ -12,8 +12,8 @@ from infinite_llm.services.manager.planner import plan
 from infinite_llm.sim.calibration import load_calibration
 from infinite_llm.sim.cluster import SimServers
 from infinite_llm.sim.models import get_model
-from infinite_llm.sim.scenarios import SETTINGS, longest_placeable, run_model
-from infinite_llm.sim.simulator import SimConfig, Simulator
+from infinite_llm.sim.scenarios import SETTINGS, longest_placeable, regime_note, run_model
+from infinite_llm.sim.simulator import SimConfig, SimResult, Simulator
 from infinite_llm.sim.traces import Request, TraceSpec, generate
 
 KV_TOKENS = 2048  # per instance: 128 rBlocks of 16 tokens
@@ -68,6 +68,13 @@ def test_a_seeded_run_is_exact_and_repeats(cost):
     assert (r.events, r.served, r.refused, r.output_tokens, r.migrations) == PINNED_POOLED
     _, s = simulate(cost, "static", requests)
     assert (s.events, s.served, s.refused, s.output_tokens) == PINNED_STATIC
+    # the regime: mean running batch (of 4) and home rBlocks used, over the instances' step time
+    assert (round(r.mean_batch, 3), round(r.home_used, 3), round(s.mean_batch, 3), round(s.home_used, 3)) == (
+        2.349,
+        0.86,
+        1.512,
+        0.77,
+    )
     assert round(r.makespan_s / s.makespan_s, 4) == PINNED_MAKESPAN_RATIO
 
 
@@ -115,6 +122,20 @@ def test_the_planner_view_is_pruned_without_changing_its_moves(cost):
     full = type(pruned)(pruned.servers, pruned.instances, full_seqs, pruned.block_size)
     assert len(full.seqs) >= len(pruned.seqs)
     assert plan(full) == plan(pruned)
+
+
+def test_regime_note_names_a_memory_bound_static_cluster_and_refusals():
+    def result(refused, batch, used):
+        return SimResult(0, 0, 1.0, 0, 1.0, 10, refused, 0, 0, 0, 0, mean_batch=batch, home_used=used)
+
+    note = regime_note(result(0, 44.0, 0.94), result(0, 44.0, 0.94), 256)
+    assert note.startswith("static instances are memory-bound (home KV 94% used, batch 44 of 256)")
+    note = regime_note(result(0, 250.0, 0.4), result(2, 240.0, 0.3), 256)
+    assert note.startswith("static instances are batch-capped (batch 240 of 256, home KV 30% used)")
+    assert note.endswith(
+        "static refused 2 requests larger than a home that pooled serves (their prefill and memory "
+        "count against pooled's output tokens)"
+    )
 
 
 def test_tiny_setting_reports_every_ratio():
