@@ -29,7 +29,6 @@ from infinite_llm.core.scheduler import BlockManager, Scheduler, SchedulerConfig
 from infinite_llm.engine.outputs import RequestOutput, TextStopper
 from infinite_llm.engine.structured import GrammarCompiler
 
-
 # The model's name in the block hashes of a local engine's prefix cache: its index holds one model only.
 LOCAL_MODEL_ID = "local"
 

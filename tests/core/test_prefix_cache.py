@@ -88,3 +88,20 @@ def test_a_step_never_writes_into_a_cached_block():
     with pytest.raises(InvalidRequest, match="would write into cached rBlocks"):
         rm.plan_step([SeqStep("a", 3, 2)])  # tokens 3, 4: token 3 lands in cached block 0
     assert rm.plan_step([SeqStep("a", 4, 4)]).num_new_here == 4
+
+
+def test_an_allocation_evicts_only_blocks_no_sequence_reads():
+    holders, kv = _holders(n_holders=1, blocks=4)
+    tokens = list(range(1, 13))  # 3 full blocks
+    kv.try_allocate("a", 3)
+    assert kv.cache_computed("a", tokens, 12) == 3
+    kv.free("a")  # 3 cached blocks, parked
+    assert kv.match_prefix("b", tokens[:9]) == 8  # b reads blocks 0 and 1; block 2 stays parked
+    shared = [r.block_id for r in kv.block_table("b")]
+    assert not kv.try_allocate("c", 3)  # 1 plain free + 1 parked: the 2 read blocks are not evictable
+    assert kv.try_allocate("c", 2) and kv.num_cached_blocks == 2  # took the plain one, evicted block 2
+    rm = holders[partition_id(0)]
+    assert [rm.pool.ref_count(b) for b in shared] == [1, 1] and all(rm.pool.is_cached(b) for b in shared)
+    kv.free("b")
+    kv.free("c")
+    assert kv.clear_prefix_cache() == 2 and rm.pool.num_free == 4

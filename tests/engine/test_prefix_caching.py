@@ -15,7 +15,7 @@ BS = 16
 @pytest.fixture(scope="module")
 def prompt(default_weights):
     tokenizer = default_weights[2]
-    return tokenizer.encode(open(LONG_DOCUMENT, encoding="utf-8").read()[:2000])
+    return tokenizer.encode(open(LONG_DOCUMENT, encoding="utf-8").read()[:6000])
 
 
 @pytest.fixture(scope="module")
