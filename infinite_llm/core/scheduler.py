@@ -251,11 +251,12 @@ class Scheduler:
     def mark_computed(self, out: SchedulerOutput) -> None:
         """Record that the step ran: every scheduled sequence now has KV for its new tokens."""
         publish = getattr(self.blocks, "cache_computed", None)
+        bs = self.blocks.block_size
         for s in out.scheduled:
             assert s.seq.num_computed_tokens == s.num_computed_tokens, "step results applied twice"
             s.seq.num_computed_tokens += s.num_new
-            if publish is not None:  # full rBlocks the step completed join the prefix cache
-                publish(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)
+            if publish is not None and s.seq.num_computed_tokens // bs > s.num_computed_tokens // bs:
+                publish(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)  # the full rBlocks it completed
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length, abort): free its rBlocks and drop it from the queues."""

@@ -105,3 +105,31 @@ def test_an_allocation_evicts_only_blocks_no_sequence_reads():
     kv.free("b")
     kv.free("c")
     assert kv.clear_prefix_cache() == 2 and rm.pool.num_free == 4
+
+
+def test_the_scheduler_starts_a_new_sequence_after_its_cached_prefix():
+    from infinite_llm.core.sampling import SamplingParams
+    from infinite_llm.core.scheduler import Scheduler, SchedulerConfig, Sequence
+
+    holders, kv = _holders(n_holders=2, blocks=8)
+    sched = Scheduler(SchedulerConfig(8, 64), kv)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    a = Sequence("a", list(range(1, 11)), greedy)
+    sched.add(a)
+    out = sched.schedule()
+    assert [(s.num_computed_tokens, s.num_new) for s in out.scheduled] == [(0, 10)]
+    sched.mark_computed(out)  # blocks 0 and 1 of a (tokens 1..8) are published
+    a.output_token_ids.append(7)
+    assert kv.num_cached_blocks == 2
+    b = Sequence("b", list(range(1, 10)) + [42], greedy)  # the same 9 first tokens
+    c = Sequence("c", list(range(1, 9)), greedy)  # exactly 2 blocks: its last block is recomputed
+    logprobs = Sequence("d", list(range(1, 10)), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    for seq in (b, c, logprobs):
+        sched.add(seq)
+    out = sched.schedule()
+    got = [(s.seq.seq_id, s.num_computed_tokens, s.num_new) for s in out.scheduled]
+    assert got == [("a", 10, 1), ("b", 8, 2), ("c", 4, 4), ("d", 0, 9)]
+    table_a = kv.block_table("a")
+    assert kv.block_table("b")[:2] == table_a[:2] and kv.block_table("c")[:1] == table_a[:1]
+    assert not set(kv.block_table("d")) & set(table_a)  # asks for prompt log-probabilities: computes all
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 10 + 8, 8 + 4)
