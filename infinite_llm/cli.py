@@ -66,6 +66,12 @@ def generate(
     enforce_eager: Annotated[
         bool, typer.Option(help="On CUDA, run decode eagerly instead of replaying CUDA graphs (debugging).")
     ] = False,
+    prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-caching/--no-prefix-caching", help="Reuse the KV of full rBlocks of an earlier identical prefix."
+        ),
+    ] = True,
     router: Annotated[str | None, typer.Option(help="Send the request through the mesh's router at HOST:PORT.")] = None,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
@@ -105,6 +111,7 @@ def generate(
         dtype=engine_dtype,
         device=engine_device,
         enforce_eager=enforce_eager,
+        enable_prefix_caching=prefix_caching,
     )
     with err.status("loading model...", spinner="dots"):
         engine = LLMEngine.from_pretrained(model, config)

@@ -7,12 +7,20 @@ a typed error and changes nothing. Reference counts let one block be shared (e.g
 
 Free-list order is a spec (tests assert it): allocation takes ids from the front; a freed block goes to
 the back, in the order given. A fresh pool hands out ``0, 1, 2, ...``.
+
+Prefix caching: a block marked *cached* (:meth:`mark_cached`: its KV is complete and indexed by hash) that
+loses its last reader is not cleared but parked in a second, LRU-ordered list. It still counts as free:
+an allocation takes plain free blocks first and evicts parked ones, least recently used first, only when
+those run out, reporting each evicted id to ``on_evict`` (so the index drops it in the same call). A
+parked block can be read again (:meth:`revive`). Source: vLLM v1 ``block_pool.py`` (``FreeKVCacheBlockQueue``
+holding cached blocks with no reader, evicted on allocation).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, NotFound
@@ -35,11 +43,14 @@ class RBlockPool:
         InvalidRequest: freeing or sharing a block that is not in use.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[list[int]], None] | None = None) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.on_evict = on_evict  # told the ids of cached blocks an allocation evicted, in eviction order
         self._free: deque[int] = deque(range(num_blocks))
+        self._cached: set[int] = set()  # blocks whose KV is indexed by hash (read or parked)
+        self._parked: OrderedDict[int, None] = OrderedDict()  # cached, no reader; front = least recently used
         self._ref_counts = [0] * num_blocks
         self._reservations: dict[int, tuple[int, ...]] = {}
         self._next_reservation = itertools.count(1)
@@ -54,7 +65,21 @@ class RBlockPool:
     # ---- queries -------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: plain free ones plus cached ones with no reader (evictable)."""
+        return len(self._free) + len(self._parked)
+
+    @property
+    def num_cached(self) -> int:
+        """Cached blocks, read or not."""
+        return len(self._cached)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Cached blocks with no reader (evictable, least recently used first)."""
+        return len(self._parked)
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._cached
 
     @property
     def num_reserved(self) -> int:
@@ -66,15 +91,15 @@ class RBlockPool:
         return self.num_blocks - self.num_free - self.num_reserved
 
     def free_block_ids(self) -> list[int]:
-        """The free list, front (next to be allocated) first."""
-        return list(self._free)
+        """The free list, front (next to be allocated) first: plain free blocks, then parked cached ones."""
+        return list(self._free) + list(self._parked)
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self.num_free
 
     # ---- state changes ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -129,15 +154,56 @@ class RBlockPool:
         for b in block_ids:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
+                if b in self._cached:
+                    self._parked[b] = None  # most recently used: evicted last
+                else:
+                    self._free.append(b)
+
+    # ---- prefix caching ------------------------------------------------------------------------------
+    def mark_cached(self, block_id: int) -> None:
+        """Mark a block in use as cached: when its last reader frees it, it is parked, not cleared."""
+        self._check_in_use(block_id)
+        self._cached.add(block_id)
+
+    def revive(self, block_id: int) -> None:
+        """Add a reader to a cached block, parked or in use (a prefix-cache hit)."""
+        self._check_id(block_id)
+        if block_id not in self._cached:
+            raise InvalidRequest(f"block {block_id} is not cached")
+        if self._ref_counts[block_id] == 0:
+            del self._parked[block_id]
+        self._ref_counts[block_id] += 1
+
+    def evict_cached(self, block_ids: list[int] | None = None) -> list[int]:
+        """Uncache ``block_ids`` (``None``: every cached block): parked ones become plain free blocks (at
+        the back of the free list), read ones stay with their readers and are freed as private blocks.
+        Reports the ids to ``on_evict`` and returns them."""
+        if block_ids is None:  # parked ones in LRU order, then those being read
+            block_ids = list(self._parked) + sorted(self._cached - self._parked.keys())
+        ids = [b for b in block_ids if b in self._cached]
+        for b in ids:
+            self._cached.discard(b)
+            if b in self._parked:
+                del self._parked[b]
                 self._free.append(b)
+        if ids and self.on_evict is not None:
+            self.on_evict(ids)
+        return ids
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _take(self, n: int) -> list[int]:
+        """``n`` blocks: plain free ones first, then parked cached ones, least recently used first (evicted)."""
         if n < 0:
             raise InvalidRequest(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free):
-            raise CapacityExhausted(f"need {n} rBlocks, only {len(self._free)} of {self.num_blocks} free")
-        return [self._free.popleft() for _ in range(n)]
+        if n > self.num_free:
+            raise CapacityExhausted(f"need {n} rBlocks, only {self.num_free} of {self.num_blocks} free")
+        ids = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        evicted = [self._parked.popitem(last=False)[0] for _ in range(n - len(ids))]
+        if evicted:
+            self._cached.difference_update(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+        return ids + evicted
 
     def _pop_reservation(self, reservation_id: int) -> tuple[int, ...]:
         try:

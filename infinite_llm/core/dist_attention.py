@@ -29,6 +29,7 @@ import torch
 
 from infinite_llm.core.attention import merge_partials
 from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.core.prefix_cache import BlockHash, block_hashes, max_cache_hit_tokens
 from infinite_llm.core.rmanager import SeqStep
 
 HolderId = NewType("HolderId", str)  # an attention server id (or an in-process partition's name)
@@ -172,6 +173,8 @@ class DistAttention:
         block_size: tokens per rBlock; the holders must agree (checked when they register).
         device: where the step's row indices live (the device of the queries).
         merge_fn: the exact merge (Triton on CUDA through the kernels dispatcher).
+        prefix_cache_model_id: the model's id in the prefix cache's block hashes; ``None`` turns prefix
+            caching off (also when the placement cannot share rBlocks: it has no ``match_prefix``).
     """
 
     def __init__(
@@ -181,6 +184,7 @@ class DistAttention:
         block_size: int,
         device: torch.device | str = "cpu",
         merge_fn: MergeFn = merge_partials,
+        prefix_cache_model_id: str | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -196,6 +200,12 @@ class DistAttention:
         self._released: dict[str, dict[HolderId, int]] = {}
         self.fan_out_seconds = 0.0  # wall time of every per-layer fan-out + merge (seconds)
         self.fan_out_count = 0
+        can_share = hasattr(placement, "match_prefix")
+        self.prefix_cache_model_id = prefix_cache_model_id if can_share else None
+        self._hashes: dict[str, list[BlockHash]] = {}  # per sequence: hashes of its full blocks known so far
+        self._published: dict[str, int] = {}  # per sequence: its first blocks that are in the index (or hits)
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+        self.prefix_cache_hits = 0  # of those, tokens served from it (vLLM's prefix_cache_hits)
 
     # ---- block manager -------------------------------------------------------------------------------
     @property
@@ -223,6 +233,59 @@ class DistAttention:
         self._tables[seq_id] = table + refs
         return True
 
+    # ---- prefix cache ---------------------------------------------------------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix_cache_model_id is not None
+
+    def match_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Start ``seq_id``'s empty block table with the longest cached prefix of ``token_ids`` (shared
+        rBlocks, read only); returns the tokens it covers (a multiple of ``block_size``, at most
+        ``len(token_ids) - 1``: the last token is always computed). 0 when prefix caching is off."""
+        if not self.prefix_caching or not token_ids:
+            return 0
+        assert not self._tables.get(seq_id), f"sequence {seq_id!r} already has rBlocks"
+        hashes = self._hashes[seq_id] = self._hash(token_ids, max_cache_hit_tokens(len(token_ids), self.block_size))
+        refs = self.placement.match_prefix(seq_id, hashes) if hashes else []  # type: ignore[attr-defined]
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += len(refs) * self.block_size
+        self._published[seq_id] = len(refs)
+        if refs:
+            self._tables[seq_id] = list(refs)
+            firsts = self._first_index.setdefault(seq_id, {})
+            for i, ref in enumerate(refs):
+                firsts.setdefault(ref.holder, i)
+        return len(refs) * self.block_size
+
+    def cache_computed(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+        """Publish the full rBlocks of ``seq_id`` whose KV the last step completed (the first
+        ``num_computed_tokens`` of ``token_ids`` have KV); returns how many the index took."""
+        if not self.prefix_caching:
+            return 0
+        table = self._tables.get(seq_id, [])
+        known = self._hashes.setdefault(seq_id, [])
+        full, done = min(num_computed_tokens // self.block_size, len(table)), self._published.get(seq_id, 0)
+        if full <= done:
+            return 0
+        if len(known) < full:
+            start = len(known) * self.block_size
+            parent = known[-1] if known else None
+            known.extend(self._hash(token_ids[start:], (full - len(known)) * self.block_size, parent))
+        self._published[seq_id] = full
+        return self.placement.publish(seq_id, [(i, known[i], table[i]) for i in range(done, full)])  # type: ignore[attr-defined]
+
+    def clear_prefix_cache(self) -> int:
+        """Uncache every rBlock; those with no reader become free. Returns how many were cached."""
+        return self.placement.clear_prefix_cache() if self.prefix_caching else 0  # type: ignore[attr-defined]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.placement.num_cached_blocks if self.prefix_caching else 0  # type: ignore[attr-defined]
+
+    def _hash(self, token_ids: Sequence[int], num_tokens: int, parent: BlockHash | None = None) -> list[BlockHash]:
+        assert self.prefix_cache_model_id is not None
+        return block_hashes(token_ids, self.block_size, self.prefix_cache_model_id, parent, num_tokens)
+
     def replace_table(self, seq_id: str, table: Sequence[BlockRef]) -> None:
         """Point ``seq_id`` at another block table of the same length (the flip that ends a migration: the
         new holders already recorded each rBlock's logical index at import). Takes effect at the next step."""
@@ -242,6 +305,8 @@ class DistAttention:
                 self._released.pop(next(iter(self._released)))
         table = self._tables.pop(seq_id, [])
         holders = list(self._first_index.pop(seq_id, {}))
+        self._hashes.pop(seq_id, None)
+        self._published.pop(seq_id, None)
         if not table:
             return 0
         return self.placement.release(seq_id, holders)

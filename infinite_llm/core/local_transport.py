@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from infinite_llm.core.dist_attention import BlockId, BlockRef, HolderId, LayerInput, Partial
+from infinite_llm.core.prefix_cache import BlockHash
 from infinite_llm.core.rmanager import RManager, SeqStep, StepPlan
 
 
@@ -57,6 +58,42 @@ class LocalPlacement:
 
     def release(self, seq_id: str, holders: Sequence[HolderId]) -> int:
         return sum(self.holders[h].free_sequence(seq_id) for h in holders)
+
+    # ---- prefix cache: each holder indexes its own cached rBlocks; the longest chain may span holders ----
+    def match_prefix(self, seq_id: str, hashes: Sequence[BlockHash]) -> list[BlockRef]:
+        """The longest prefix of ``hashes`` cached on the holders, attached to ``seq_id`` at logical
+        indices ``0..`` (one reader more each); ``[]`` on a miss."""
+        found: list[HolderId] = []
+        for h in hashes:
+            holder = next((hid for hid, rm in self.holders.items() if rm.cached_block(h) is not None), None)
+            if holder is None:
+                break
+            found.append(holder)
+        by_holder: dict[HolderId, list[int]] = {}
+        for i, holder in enumerate(found):
+            by_holder.setdefault(holder, []).append(i)
+        ids = {
+            holder: iter(self.holders[holder].attach(seq_id, idx, [hashes[i] for i in idx]))
+            for holder, idx in by_holder.items()
+        }
+        return [BlockRef(holder, BlockId(next(ids[holder]))) for holder in found]
+
+    def publish(self, seq_id: str, blocks: Sequence[tuple[int, BlockHash, BlockRef]]) -> int:
+        """Index full rBlocks of ``seq_id`` (``(logical index, hash, where)``); returns how many are new."""
+        by_holder: dict[HolderId, list[tuple[int, BlockHash]]] = {}
+        for i, h, ref in blocks:
+            if any(rm.cached_block(h) is not None for rm in self.holders.values()):
+                continue  # one copy per hash in the whole index (another sequence computed it too)
+            by_holder.setdefault(ref.holder, []).append((i, h))
+        return sum(len(self.holders[hid].cache_blocks(seq_id, entries)) for hid, entries in by_holder.items())
+
+    def clear_prefix_cache(self) -> int:
+        """Uncache every rBlock (those with no reader become free); returns how many were cached."""
+        return sum(rm.clear_cache() for rm in self.holders.values())
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(rm.num_cached_blocks for rm in self.holders.values())
 
 
 class LocalTransport:

@@ -17,6 +17,7 @@ import torch
 from infinite_llm.core.attention import PartialAttentionMetadata, partial_attention, write_kv
 from infinite_llm.core.block_pool import RBlockPool, Reservation
 from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.prefix_cache import BlockHash
 
 PartialAttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 WriteKVFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -120,7 +121,7 @@ class RManager:
     ) -> None:
         self.layout = layout
         self.device = torch.device(device)
-        self.pool = RBlockPool(num_blocks)
+        self.pool = RBlockPool(num_blocks, on_evict=self._forget_hashes)
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k_cache = torch.zeros(shape, dtype=layout.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=layout.dtype, device=self.device)
@@ -129,6 +130,8 @@ class RManager:
         self._owned: dict[str, dict[int, int]] = {}  # seq_id -> {logical index: block id}, in commit order
         self._pending: dict[int, str] = {}
         self._versions: dict[str, int] = {}  # bumped when a sequence's blocks are freed: voids older plans
+        self._block_of_hash: dict[BlockHash, int] = {}  # prefix cache: full rBlocks here, by hash
+        self._hash_of_block: dict[int, BlockHash] = {}
 
     # ---- ownership ---------------------------------------------------------------------------------
     def allocate(self, seq_id: str, block_indices: Sequence[int]) -> list[int]:
@@ -214,6 +217,57 @@ class RManager:
     def sequences(self) -> list[str]:
         return list(self._owned)
 
+    # ---- prefix cache --------------------------------------------------------------------------------
+    def cache_blocks(self, seq_id: str, entries: Sequence[tuple[int, BlockHash]]) -> list[int]:
+        """Index full rBlocks of ``seq_id`` by hash: ``entries`` are ``(logical index, hash)``. A hash
+        already indexed here, or a block already cached, is skipped. Returns the block ids newly cached.
+        Raises ``InvalidRequest`` (nothing changes) for an index ``seq_id`` does not hold here."""
+        owned = self._owned.get(seq_id, {})
+        missing = [i for i, _ in entries if i not in owned]
+        if missing:
+            raise InvalidRequest(f"sequence {seq_id!r} holds no rBlocks at logical {missing[:8]} here to cache")
+        added = []
+        for i, h in entries:
+            block = owned[i]
+            if h in self._block_of_hash or self.pool.is_cached(block):
+                continue
+            self.pool.mark_cached(block)
+            self._block_of_hash[h], self._hash_of_block[block] = block, h
+            added.append(block)
+        return added
+
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block id here whose KV ``block_hash`` names, or ``None``."""
+        return self._block_of_hash.get(block_hash)
+
+    def attach(self, seq_id: str, block_indices: Sequence[int], hashes: Sequence[BlockHash]) -> list[int]:
+        """A prefix-cache hit: the cached rBlocks named by ``hashes`` join ``seq_id``'s table at logical
+        ``block_indices`` (one reader more each; they are read, never written). Returns their block ids.
+        Raises ``NotFound`` (nothing changes) if a hash is not cached here (evicted meanwhile)."""
+        self._check_indices(seq_id, block_indices)
+        ids = [self._block_of_hash.get(h) for h in hashes]
+        if len(ids) != len(block_indices) or None in ids:
+            raise NotFound(f"{ids.count(None)} of {len(hashes)} prefix blocks of {seq_id!r} are no longer cached here")
+        for b in ids:
+            self.pool.revive(b)
+        self._record(seq_id, block_indices, ids)
+        return ids  # type: ignore[return-value]
+
+    def clear_cache(self) -> int:
+        """Drop every hash: cached rBlocks with no reader become free, read ones private. Returns how many."""
+        return len(self.pool.evict_cached())
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached
+
+    def _forget_hashes(self, block_ids: list[int]) -> None:
+        """The pool evicted (or uncached) these blocks: they leave the index in the same call."""
+        for b in block_ids:
+            h = self._hash_of_block.pop(b, None)
+            if h is not None:
+                del self._block_of_hash[h]
+
     # ---- attention ---------------------------------------------------------------------------------
     def plan_rows(self, seqs: Sequence[SeqStep]) -> PlanRows:
         """What this holder contributes to a step, per sequence, as host lists (checked; nothing changes).
@@ -250,6 +304,8 @@ class RManager:
                 block = owned.get(pos // bs)
                 if block is not None:
                     seq_slots.append(block * bs + pos % bs)
+            if seq_slots and (shared := {b // bs for b in seq_slots} & self._hash_of_block.keys()):
+                raise InvalidRequest(f"sequence {s.seq_id!r} would write into cached rBlocks {sorted(shared)[:4]}")
             slots.append(seq_slots)
         versions = tuple((s.seq_id, self._versions[s.seq_id]) for s in seqs)
         return PlanRows(ids, idx, slots, [s.context_len for s in seqs], versions)

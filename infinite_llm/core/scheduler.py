@@ -185,8 +185,9 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             try:
+                self._match_prefix(seq)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 grown = self._try_grow(seq, num_new)
             except REQUEST_ERRORS as e:
                 failed.append(self._fail(seq, e))
@@ -213,6 +214,17 @@ class Scheduler:
             log.warning("could not free the rBlocks of failed sequence %r", seq.seq_id[:64])
         return seq
 
+    def _match_prefix(self, seq: Sequence) -> None:
+        """A sequence with no KV yet starts from the longest cached prefix of its tokens (shared rBlocks,
+        whole blocks, never its last token), when the block manager caches prefixes. A request asking for
+        its prompt's log-probabilities computes every prompt token (vLLM does the same)."""
+        match = getattr(self.blocks, "match_prefix", None)
+        if match is None or seq.num_blocks or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
+            return
+        cached = match(seq.seq_id, seq.all_token_ids)
+        seq.num_computed_tokens = cached
+        seq.num_blocks = cached // self.blocks.block_size
+
     def _try_grow(self, seq: Sequence, num_new: int) -> bool:
         """Give ``seq`` the rBlocks its next ``num_new`` tokens need; False (nothing changed) if none."""
         need = max(0, -(-(seq.num_computed_tokens + num_new) // self.blocks.block_size) - seq.num_blocks)
@@ -238,9 +250,13 @@ class Scheduler:
 
     def mark_computed(self, out: SchedulerOutput) -> None:
         """Record that the step ran: every scheduled sequence now has KV for its new tokens."""
+        publish = getattr(self.blocks, "cache_computed", None)
+        bs = self.blocks.block_size
         for s in out.scheduled:
             assert s.seq.num_computed_tokens == s.num_computed_tokens, "step results applied twice"
             s.seq.num_computed_tokens += s.num_new
+            if publish is not None and s.seq.num_computed_tokens // bs > s.num_computed_tokens // bs:
+                publish(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)  # the full rBlocks it completed
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length, abort): free its rBlocks and drop it from the queues."""

@@ -29,6 +29,9 @@ from infinite_llm.core.scheduler import BlockManager, Scheduler, SchedulerConfig
 from infinite_llm.engine.outputs import RequestOutput, TextStopper
 from infinite_llm.engine.structured import GrammarCompiler
 
+# The model's name in the block hashes of a local engine's prefix cache: its index holds one model only.
+LOCAL_MODEL_ID = "local"
+
 
 class KVBackend(BlockManager, Protocol):
     """Block manager + attention over where the KV lives (local partitions or remote attention servers)."""
@@ -56,6 +59,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Run decode through the CUDA-graph path's static buffers without capturing: on CPU, to test them.
     static_decode_without_graphs: bool = False
+    # Reuse the KV of full rBlocks a previous sequence computed for the same leading tokens (vLLM's
+    # automatic prefix caching, on by default as there); ``--no-prefix-caching`` turns it off.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -180,6 +186,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def clear_prefix_cache(self) -> int:
+        """Uncache every rBlock (those no running request reads become free); returns how many were cached."""
+        return self.kv.clear_prefix_cache() if hasattr(self.kv, "clear_prefix_cache") else 0
 
     @property
     def num_preemptions(self) -> int:
@@ -347,6 +357,7 @@ def local_dist_attention(model: ModelConfig, config: EngineConfig) -> DistAttent
         )
         for p in range(config.num_partitions)
     }
+    model_id = LOCAL_MODEL_ID if config.enable_prefix_caching else None
     return DistAttention(
-        LocalPlacement(holders), LocalTransport(holders), config.block_size, config.device, merge_partials
+        LocalPlacement(holders), LocalTransport(holders), config.block_size, config.device, merge_partials, model_id
     )

@@ -38,7 +38,9 @@ class EngineMetrics:
         running: Callable[[], int],
         waiting: Callable[[], int],
         preemptions: Callable[[], int],
+        prefix_cache: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
+        """``prefix_cache()``: the engine's running totals ``(queries, hits)`` in tokens (synced as counters)."""
         self.registry = registry
         Gauge(P + "num_requests_running", "Sequences in the running batch", registry=registry).set_function(running)
         Gauge(P + "num_requests_waiting", "Sequences waiting to be scheduled", registry=registry).set_function(waiting)
@@ -74,11 +76,25 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS,
         )
 
+        # vLLM v1's names and units: tokens looked up in the prefix cache, and of those, tokens it served
+        self.prefix_cache_queries = Counter(
+            P + "prefix_cache_queries", "Prefix cache queries, in tokens", registry=registry
+        )
+        self.prefix_cache_hits = Counter(P + "prefix_cache_hits", "Prefix cache hits, in tokens", registry=registry)
+        self._prefix_cache = prefix_cache
+        self._seen_prefix = (0, 0)
+
     def sync_preemptions(self) -> None:
+        """Bring the counters read from the engine (preemptions, prefix cache tokens) up to date."""
         now = self._preemptions()
         if now > self._seen_preemptions:
             self.preemptions.inc(now - self._seen_preemptions)
             self._seen_preemptions = now
+        if self._prefix_cache is not None:
+            queries, hits = self._prefix_cache()
+            self.prefix_cache_queries.inc(max(queries - self._seen_prefix[0], 0))
+            self.prefix_cache_hits.inc(max(hits - self._seen_prefix[1], 0))
+            self._seen_prefix = (queries, hits)
 
 
 class AttentionMetrics:

@@ -211,4 +211,5 @@ class ServedRManager:
         freed = sum(self.free_sequence(seq_id) for seq_id in self.rm.sequences())
         for reservation_id in list(self._reservations):
             self.cancel(reservation_id)
+        self.rm.clear_cache()  # cached prefixes too: the cluster's index no longer points here
         return freed

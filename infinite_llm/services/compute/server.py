@@ -114,7 +114,11 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     engine, kv, model_name = build_engine(config, on_rpc=lambda s, t: rpc_hist[0].labels(server_id=s).observe(t))
     loop = EngineLoop(engine, max_waiting=config.max_waiting)
     metrics = EngineMetrics(
-        registry, lambda: loop.num_running, lambda: loop.num_waiting, lambda: engine.num_preemptions
+        registry,
+        lambda: loop.num_running,
+        lambda: loop.num_waiting,
+        lambda: engine.num_preemptions,
+        lambda: (kv.prefix_cache_queries, kv.prefix_cache_hits),
     )
     rpc_hist.append(metrics.attention_rpc)
     loop.metrics = metrics

@@ -1,0 +1,91 @@
+"""The cluster's prefix-cache index in etcd: ``prefix/<hex block hash>`` -> the attention server holding it.
+
+One index for the whole cluster (issue 13): any compute instance publishes the full rBlocks it computed and
+any other reuses them where they live. Only the server is recorded: each server keeps its own
+``hash -> block`` map (``RManager.cached_block``) and refuses an attach whose hash it evicted since, so a
+stale entry costs a miss, never wrong KV. Writes are single etcd transactions carrying the leader fence,
+like the placement ledger (DESIGN.md §5); the leader keeps an in-memory mirror, reloaded from etcd when it
+starts leading, so a lookup reads no etcd.
+
+Not wired yet: the manager's ``MatchPrefix``/``PublishPrefix`` RPCs, the attention servers' attach/cache
+RPCs and the compute instance's placement are the next steps of issue 13.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from infinite_llm.core.prefix_cache import BlockHash
+from infinite_llm.services.manager.leadership import Leadership
+from infinite_llm.services.manager.records import LEADER_KEY
+from infinite_llm.state.etcd_store import EtcdStore, Op
+
+PREFIX_INDEX_PREFIX = "prefix/"
+
+
+def index_key(block_hash: BlockHash) -> str:
+    return PREFIX_INDEX_PREFIX + block_hash.hex()
+
+
+class PrefixIndex:
+    """``hash -> server_id`` of cached full rBlocks, in etcd (fenced writes) with an in-memory mirror.
+
+    Raises (writes): ``NotLeader`` when the leader fence fails (nothing is written); etcd errors as
+    ``Unavailable``.
+    """
+
+    def __init__(self, store: EtcdStore, leadership: Leadership) -> None:
+        self._store = store
+        self._leadership = leadership
+        self._servers: dict[BlockHash, str] = {}
+
+    async def load(self) -> int:
+        """Rebuild the mirror from etcd (a new leader); returns the entries read."""
+        got = await self._store.get_prefix(PREFIX_INDEX_PREFIX)
+        self._servers = {bytes.fromhex(kv.key[len(PREFIX_INDEX_PREFIX) :]): kv.value.decode() for kv in got.items}
+        return len(self._servers)
+
+    def longest_prefix(self, hashes: Sequence[BlockHash], live: Collection[str]) -> list[str]:
+        """The server of each of the first hashes that are indexed on a live server, up to the first miss."""
+        servers = []
+        for h in hashes:
+            server = self._servers.get(h)
+            if server is None or server not in live:
+                break
+            servers.append(server)
+        return servers
+
+    def blocks_per_server(self) -> dict[str, int]:
+        """Cached rBlocks indexed per server (``infinite-llm status``)."""
+        out: dict[str, int] = {}
+        for server in self._servers.values():
+            out[server] = out.get(server, 0) + 1
+        return out
+
+    async def add(self, entries: Sequence[tuple[BlockHash, str]]) -> list[BlockHash]:
+        """Index ``(hash, server_id)`` pairs whose hash is not indexed yet, in one fenced transaction;
+        returns the hashes added (one copy per hash: a hash indexed meanwhile is skipped)."""
+        new = {h: s for h, s in entries if h not in self._servers}
+        if not new:
+            return []
+        await self._fenced([Op.put(index_key(h), s.encode()) for h, s in new.items()])
+        self._servers.update(new)
+        return list(new)
+
+    async def remove(self, hashes: Sequence[BlockHash]) -> int:
+        """Drop ``hashes`` (evicted, or found stale on their server) in one fenced transaction."""
+        gone = [h for h in dict.fromkeys(hashes) if h in self._servers]
+        if gone:
+            await self._fenced([Op.delete(index_key(h)) for h in gone])
+            for h in gone:
+                del self._servers[h]
+        return len(gone)
+
+    async def drop_server(self, server_id: str) -> int:
+        """Drop every entry of a lost server (its KV died with it: those prefixes are recomputed)."""
+        return await self.remove([h for h, s in self._servers.items() if s == server_id])
+
+    async def _fenced(self, ops: list[Op]) -> None:
+        result = await self._store.txn([self._leadership.fence()], ops, [Op.get(LEADER_KEY)])
+        if not result.succeeded:
+            self._leadership.check(result.gets[0])  # raises NotLeader
