@@ -7,9 +7,12 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
+from infinite_llm.core.constraints import ComputeOnWait
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.sampling import SamplingParams
+from infinite_llm.engine.structured import ThreadedMaskPrefetch
 
 SCHEMAS = [
     {"type": "object"},
@@ -66,3 +69,23 @@ def test_a_schema_that_cannot_be_enforced_is_an_invalid_request(make_engine, sch
         engine.add_request("hi", SamplingParams(json_schema=schema))
     assert e.value.param == "json_schema"
     assert not engine.has_unfinished()
+
+
+def test_masks_computed_on_the_worker_thread_equal_those_computed_after_the_forward(make_engine):
+    """The engine's prefetch (a worker thread, during the forward) gives the same masks as computing them on
+    the engine's thread, for llguidance constraints part-way through a value; a step without constrained
+    sequences starts no thread."""
+    engine = make_engine(block_size=16, num_kv_blocks=32)
+    prefetch = ThreadedMaskPrefetch()
+    assert prefetch.start([None, None], 8)() is None and prefetch._pool is None
+    schema = json.dumps(SCHEMAS[1])
+    constraints = [engine.grammars.constraint(schema) for _ in range(3)]
+    prefix = engine.tokenizer.encode('{"name":"Ann', add_special_tokens=False)
+    for token in prefix:
+        constraints[1].accept(token)
+    rows = [constraints[0], None, constraints[1], constraints[2]]
+    vocab = engine.model_config.vocab_size
+    threaded = prefetch.start(rows, vocab)()
+    assert torch.equal(threaded, ComputeOnWait().start(rows, vocab)())
+    assert not threaded[1].any() and torch.equal(threaded[0], threaded[3])
+    assert not torch.equal(threaded[0], threaded[2])  # a fresh value vs one inside a string
