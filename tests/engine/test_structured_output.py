@@ -12,7 +12,7 @@ import torch
 from infinite_llm.core.constraints import ComputeOnWait
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.sampling import SamplingParams
-from infinite_llm.engine.structured import ThreadedMaskPrefetch
+from infinite_llm.engine.structured import GrammarCompiler, ThreadedMaskPrefetch
 
 SCHEMAS = [
     {"type": "object"},
@@ -71,21 +71,19 @@ def test_a_schema_that_cannot_be_enforced_is_an_invalid_request(make_engine, sch
     assert not engine.has_unfinished()
 
 
-def test_masks_computed_on_the_worker_thread_equal_those_computed_after_the_forward(make_engine):
+def test_masks_computed_on_the_worker_thread_equal_those_computed_after_the_forward(default_weights):
     """The engine's prefetch (a worker thread, during the forward) gives the same masks as computing them on
     the engine's thread, for llguidance constraints part-way through a value; a step without constrained
     sequences starts no thread."""
-    engine = make_engine(block_size=16, num_kv_blocks=32)
+    model_config, _, tokenizer = default_weights
     prefetch = ThreadedMaskPrefetch()
     assert prefetch.start([None, None], 8)() is None and prefetch._pool is None
-    schema = json.dumps(SCHEMAS[1])
-    constraints = [engine.grammars.constraint(schema) for _ in range(3)]
-    prefix = engine.tokenizer.encode('{"name":"Ann', add_special_tokens=False)
-    for token in prefix:
+    grammars, schema = GrammarCompiler(tokenizer, model_config.vocab_size), json.dumps(SCHEMAS[1])
+    constraints = [grammars.constraint(schema) for _ in range(3)]
+    for token in tokenizer.encode('{"name":"Ann', add_special_tokens=False):
         constraints[1].accept(token)
     rows = [constraints[0], None, constraints[1], constraints[2]]
-    vocab = engine.model_config.vocab_size
-    threaded = prefetch.start(rows, vocab)()
-    assert torch.equal(threaded, ComputeOnWait().start(rows, vocab)())
+    threaded = prefetch.start(rows, model_config.vocab_size)()
+    assert torch.equal(threaded, ComputeOnWait().start(rows, model_config.vocab_size)())
     assert not threaded[1].any() and torch.equal(threaded[0], threaded[3])
     assert not torch.equal(threaded[0], threaded[2])  # a fresh value vs one inside a string
