@@ -29,7 +29,7 @@ QUESTION ?= According to this license, what must you do when you redistribute th
 run: install model
 	$(BIN)/python -m infinite_llm.main_job --doc "$(DOC)" --question "$(QUESTION)"
 
-test: install model lm-eval-venv
+test: install model lm-eval-venv aiperf-venv
 	$(BIN)/python -m pytest -q -ra
 
 # lm-eval runs in the tests from a virtual environment of its own: its dependencies clash with the project's
@@ -44,6 +44,19 @@ $(LM_EVAL_VENV)/.installed:
 	$(LM_EVAL_VENV)/bin/python -m pip install --quiet torch==2.13.0 'lm-eval[api]==0.4.13' transformers==5.23.0
 	touch $@
 
+# aiperf (NVIDIA's load generator for OpenAI-compatible servers) runs in the tests from a virtual environment
+# of its own too: it pins ~150 packages (transformers 5.24, python-dateutil 4, pyarrow, dash, ...) that clash
+# with the project's. It needs no torch. tests/e2e/test_aiperf.py fails when it is missing, unless
+# INFINITE_LLM_TESTS_SKIP_AIPERF=1. Building it downloads ~1.2 GB of wheels: minutes (18 on a loaded machine).
+AIPERF_VENV := .venv-aiperf
+.PHONY: aiperf-venv
+aiperf-venv: $(AIPERF_VENV)/.installed
+
+$(AIPERF_VENV)/.installed:
+	test -x $(AIPERF_VENV)/bin/python || $(PY) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install --quiet aiperf==0.13.0
+	touch $@
+
 lint: install
 	$(BIN)/ruff check infinite_llm tests benchmarks
 	$(BIN)/ruff format --check infinite_llm tests benchmarks
@@ -54,7 +67,7 @@ bench: install model
 	$(BIN)/python benchmarks/mesh_overhead.py
 
 clean:
-	rm -rf $(VENV) $(LM_EVAL_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LM_EVAL_VENV) $(AIPERF_VENV) .pytest_cache .ruff_cache
 
 # Generated protobuf/gRPC code is checked in (installs need no protoc); protos/generate.py documents the
 # layout. proto-check regenerates into a temporary directory and fails when the committed code is stale.

@@ -3,13 +3,16 @@
 A constraint is a grammar matcher that the engine builds for a request (``engine/structured.py``, over
 llguidance) and advances with every token the request samples. The sampler asks each constrained
 sequence of a batch for its allowed-token bitmask and sets the logits of every other token to ``-inf``
-after the logits processors and before sampling (vLLM v1's ``apply_grammar_bitmask``). Rows of
-unconstrained sequences are neither read nor copied. Bitmask layout (llguidance's and xgrammar's): token
+after the logits processors and before sampling (vLLM v1's ``apply_grammar_bitmask``). The masks depend
+only on the tokens accepted so far, so they can be computed while the model computes the step's logits
+(:class:`MaskPrefetch`; llguidance's docs suggest the same). Rows of unconstrained sequences are neither
+read nor copied. Bitmask layout (llguidance's and xgrammar's): token
 ``t`` is allowed when bit ``t % 32`` of int32 word ``t // 32`` is set.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -44,24 +47,55 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
-def apply_constraints(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> torch.Tensor:
-    """``logits [num_seqs, vocab_size]`` with every token a row's constraint forbids at ``-inf``.
+def forbidden_tokens(constraints: list[TokenConstraint | None], vocab_size: int) -> torch.Tensor | None:
+    """``[num_seqs, vocab_size]`` bool on the CPU, True where a row's constraint forbids the token; None when no
+    row is constrained (rows of unconstrained sequences forbid nothing).
 
-    The input is returned as is when no row is constrained; else a new tensor made in one pass (the raw
-    logits stay intact for logprobs). One bitmask is filled per constrained row on the host and moved to
-    ``logits``' device once.
+    One bitmask is filled per constrained row, then all are unpacked at once. Reads each constraint's state
+    and changes none, so it may run on another thread while the model computes the step's logits
+    (:class:`MaskPrefetch`), as long as nobody advances the constraints meanwhile.
     """
-    assert logits.shape[0] == len(constraints)
     rows = [i for i, c in enumerate(constraints) if c is not None]
     if not rows:
-        return logits
-    vocab = logits.shape[1]
-    bitmask = torch.empty(len(rows), bitmask_words(vocab), dtype=torch.int32)
+        return None
+    bitmask = torch.empty(len(rows), bitmask_words(vocab_size), dtype=torch.int32)
     for j, i in enumerate(rows):
         constraints[i].fill_bitmask(bitmask[j])
-    forbidden = ~unpack_bitmask(bitmask.to(logits.device), vocab)  # (len(rows), vocab)
-    if len(rows) < logits.shape[0]:  # unconstrained rows forbid nothing
-        every = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-        every[torch.tensor(rows, dtype=torch.int64, device=logits.device)] = forbidden
-        forbidden = every
-    return logits.masked_fill(forbidden, float("-inf"))
+    forbidden = ~unpack_bitmask(bitmask, vocab_size)  # (len(rows), vocab_size)
+    if len(rows) == len(constraints):
+        return forbidden
+    every = torch.zeros(len(constraints), vocab_size, dtype=torch.bool)
+    every[torch.tensor(rows, dtype=torch.int64)] = forbidden
+    return every
+
+
+def apply_forbidden(logits: torch.Tensor, forbidden: torch.Tensor | None) -> torch.Tensor:
+    """``logits [num_seqs, vocab_size]`` with the ``forbidden [num_seqs, vocab_size]`` bool tokens at ``-inf``:
+    a new tensor (the raw logits stay intact for logprobs), or ``logits`` itself when ``forbidden`` is None."""
+    if forbidden is None:
+        return logits
+    assert forbidden.shape == logits.shape, (forbidden.shape, logits.shape)
+    return logits.masked_fill(forbidden.to(logits.device, non_blocking=True), float("-inf"))
+
+
+def apply_constraints(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> torch.Tensor:
+    """``logits [num_seqs, vocab_size]`` with every token a row's constraint forbids at ``-inf``, computed
+    now (:func:`forbidden_tokens` then :func:`apply_forbidden`); the input itself when no row is constrained."""
+    assert logits.shape[0] == len(constraints)
+    return apply_forbidden(logits, forbidden_tokens(constraints, logits.shape[1]))
+
+
+class MaskPrefetch(Protocol):
+    """Starts computing a step's forbidden tokens before the model runs, so the grammar work can overlap
+    the forward (the engine's implementation uses a worker thread: ``engine/structured.py``)."""
+
+    def start(self, constraints: list[TokenConstraint | None], vocab_size: int) -> Callable[[], torch.Tensor | None]:
+        """Begin :func:`forbidden_tokens` of ``constraints``; the returned callable waits for its result.
+        The caller must not advance the constraints before calling it."""
+
+
+class ComputeOnWait:
+    """The plain :class:`MaskPrefetch`: computes the masks when they are asked for, on the calling thread."""
+
+    def start(self, constraints: list[TokenConstraint | None], vocab_size: int) -> Callable[[], torch.Tensor | None]:
+        return lambda: forbidden_tokens(constraints, vocab_size)

@@ -7,12 +7,13 @@ attention servers in the mesh).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from infinite_llm.core.constraints import apply_constraints
+from infinite_llm.core.constraints import ComputeOnWait, MaskPrefetch, apply_forbidden
 from infinite_llm.core.decode_graphs import DecodeGraphs
 from infinite_llm.core.dist_attention import StepAttention
 from infinite_llm.core.logits_processors import SeqTokens, apply_processors
@@ -42,13 +43,16 @@ class ModelRunner:
         prepare_attention: PrepareFn,
         device: torch.device | str = "cpu",
         decode_graphs: DecodeGraphs | None = None,
+        mask_prefetch: MaskPrefetch | None = None,
     ):
         """``decode_graphs``: where decode steps that fit go (CUDA graphs, or their static buffers run
-        eagerly); every other step runs eagerly through ``prepare_attention``."""
+        eagerly); every other step runs eagerly through ``prepare_attention``. ``mask_prefetch``: how the
+        constrained sequences' token masks are computed (default: after the forward, on this thread)."""
         self.model = model
         self.prepare_attention = prepare_attention
         self.device = torch.device(device)
         self.decode_graphs = decode_graphs
+        self.mask_prefetch: MaskPrefetch = mask_prefetch if mask_prefetch is not None else ComputeOnWait()
 
     def run(self, scheduled: list[ScheduledSeq], interrupt: Interrupt | None = None) -> StepResult:
         """One step: the sampled next token of every sequence whose step ends its known tokens (none for a
@@ -81,12 +85,19 @@ class ModelRunner:
             if s.samples and s.seq.params.max_tokens > 0:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(s)
-        logits = self._logits(scheduled, ids, positions, prompt_rows + sample_rows, interrupt)
+        # The grammar masks depend only on the tokens accepted so far: they are computed during the forward.
+        forbidden = self.mask_prefetch.start([s.seq.constraint for s in sampling], self.model.config.vocab_size)
+        try:
+            logits = self._logits(scheduled, ids, positions, prompt_rows + sample_rows, interrupt)
+        except BaseException:
+            with contextlib.suppress(Exception):  # no constraint may change while its mask is being computed
+                forbidden()
+            raise
         result = StepResult(prompt_logprobs=self._score_prompts(logits[: len(prompt_rows)], scored))
         logits = logits[len(prompt_rows) :]  # (num_sampling_seqs, vocab)
         params = [s.seq.params for s in sampling]
         seqs = [SeqTokens(s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.stop_ids) for s in sampling]
-        processed = apply_constraints(apply_processors(logits, params, seqs), [s.seq.constraint for s in sampling])
+        processed = apply_forbidden(apply_processors(logits, params, seqs), forbidden())
         tokens = sample(processed, params, [len(s.seq.output_token_ids) for s in sampling])
         result.tokens = {s.seq.seq_id: t for s, t in zip(sampling, tokens, strict=True)}
         result.logprobs = _sampled_logprobs(logits, sampling, tokens)

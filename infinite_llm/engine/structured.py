@@ -9,16 +9,22 @@ compact (``whitespace_flexible: false``): a small model left free to emit whites
 ``max_tokens`` and never close the object.
 
 The llguidance tokenizer (the vocabulary's byte strings, ~1-4 s to build) is made on the first constrained
-request and kept. Source: vLLM ``v1/structured_output/backend_guidance.py``.
+request and kept. Each step's masks are computed on a worker thread while the model runs the step
+(:class:`ThreadedMaskPrefetch`): llguidance releases the GIL while it computes a mask, and so does torch
+while it unpacks them, so on a decode step the grammar costs little more than applying the mask. Source:
+vLLM ``v1/structured_output/backend_guidance.py``; llguidance's docs on computing masks during the forward.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from infinite_llm.core.constraints import TokenConstraint, forbidden_tokens
 from infinite_llm.core.errors import InvalidRequest
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -87,3 +93,19 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequest(f"the JSON schema cannot be enforced: {matcher.get_error()}", param="json_schema")
         return GuidanceConstraint(matcher)
+
+
+class ThreadedMaskPrefetch:
+    """A :class:`~infinite_llm.core.constraints.MaskPrefetch` that computes a step's masks on one worker thread
+    (made on the first constrained step), overlapped with the model's forward on the caller's thread. Steps
+    with no constrained sequence never touch the thread."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, constraints: list[TokenConstraint | None], vocab_size: int) -> Callable[[], torch.Tensor | None]:
+        if all(c is None for c in constraints):
+            return lambda: None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        return self._pool.submit(forbidden_tokens, list(constraints), vocab_size).result

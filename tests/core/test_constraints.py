@@ -2,7 +2,13 @@
 
 import torch
 
-from infinite_llm.core.constraints import apply_constraints, bitmask_words, unpack_bitmask
+from infinite_llm.core.constraints import (
+    ComputeOnWait,
+    apply_constraints,
+    bitmask_words,
+    forbidden_tokens,
+    unpack_bitmask,
+)
 
 
 class Allow:
@@ -54,3 +60,17 @@ def test_every_row_constrained_masks_each_row_by_its_own_bitmask():
     logits = torch.zeros(2, 70)
     out = apply_constraints(logits, [Allow(1), Allow(2, 69)])
     assert [row.isfinite().nonzero().flatten().tolist() for row in out] == [[1], [2, 69]]
+
+
+def test_forbidden_tokens_is_none_without_constraints_and_all_false_on_unconstrained_rows():
+    assert forbidden_tokens([None, None], 70) is None
+    forbidden = forbidden_tokens([Allow(5), None], 70)
+    assert forbidden.shape == (2, 70) and forbidden.dtype == torch.bool
+    assert (~forbidden[0]).nonzero().flatten().tolist() == [5]
+    assert not forbidden[1].any()
+
+
+def test_compute_on_wait_gives_the_masks_of_the_constraints_state_when_started():
+    constraint = Allow(7)
+    wait = ComputeOnWait().start([constraint], 70)
+    assert (~wait()[0]).nonzero().flatten().tolist() == [7]

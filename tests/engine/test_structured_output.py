@@ -7,9 +7,12 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
+from infinite_llm.core.constraints import ComputeOnWait
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.sampling import SamplingParams
+from infinite_llm.engine.structured import GrammarCompiler, ThreadedMaskPrefetch
 
 SCHEMAS = [
     {"type": "object"},
@@ -66,3 +69,21 @@ def test_a_schema_that_cannot_be_enforced_is_an_invalid_request(make_engine, sch
         engine.add_request("hi", SamplingParams(json_schema=schema))
     assert e.value.param == "json_schema"
     assert not engine.has_unfinished()
+
+
+def test_masks_computed_on_the_worker_thread_equal_those_computed_after_the_forward(default_weights):
+    """The engine's prefetch (a worker thread, during the forward) gives the same masks as computing them on
+    the engine's thread, for llguidance constraints part-way through a value; a step without constrained
+    sequences starts no thread."""
+    model_config, _, tokenizer = default_weights
+    prefetch = ThreadedMaskPrefetch()
+    assert prefetch.start([None, None], 8)() is None and prefetch._pool is None
+    grammars, schema = GrammarCompiler(tokenizer, model_config.vocab_size), json.dumps(SCHEMAS[1])
+    constraints = [grammars.constraint(schema) for _ in range(3)]
+    for token in tokenizer.encode('{"name":"Ann', add_special_tokens=False):
+        constraints[1].accept(token)
+    rows = [constraints[0], None, constraints[1], constraints[2]]
+    threaded = prefetch.start(rows, model_config.vocab_size)()
+    assert torch.equal(threaded, ComputeOnWait().start(rows, model_config.vocab_size)())
+    assert not threaded[1].any() and torch.equal(threaded[0], threaded[3])
+    assert not torch.equal(threaded[0], threaded[2])  # a fresh value vs one inside a string
