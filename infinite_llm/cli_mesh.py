@@ -468,11 +468,12 @@ def up(
     mesh = LocalMesh(config)
     with err.status("starting the mesh (etcd, manager, servers, compute, router, gateway)...", spinner="dots"):
         mesh.start()
+    previous = {}  # the handlers before ours, put back when the mesh stops (`up` may run inside a process)
     try:
         _print_mesh(mesh)
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # any: stop front to back
-            signal.signal(sig, lambda *_: done.set())
+            previous[sig] = signal.signal(sig, lambda *_: done.set())
         reported: set[str] = set()
         while not done.wait(1.0):
             try:
@@ -490,6 +491,8 @@ def up(
     finally:
         err.print("stopping the mesh...")
         mesh.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _print_mesh(mesh) -> None:  # noqa: ANN001
