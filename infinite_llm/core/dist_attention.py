@@ -227,11 +227,15 @@ class DistAttention:
             return False
         if len(refs) != n:
             raise InvalidRequest(f"placement returned {len(refs)} rBlocks for {n} asked for {seq_id!r}")
-        firsts = self._first_index.setdefault(seq_id, {})
-        for i, ref in enumerate(refs, start=len(table)):
-            firsts.setdefault(ref.holder, i)
+        self._note_first_indices(seq_id, refs, len(table))
         self._tables[seq_id] = table + refs
         return True
+
+    def _note_first_indices(self, seq_id: str, refs: Sequence[BlockRef], start: int) -> None:
+        """Record, per holder, the lowest logical index of ``seq_id`` it holds; ``refs`` begin at ``start``."""
+        firsts = self._first_index.setdefault(seq_id, {})
+        for i, ref in enumerate(refs, start=start):
+            firsts.setdefault(ref.holder, i)
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     @property
@@ -252,9 +256,7 @@ class DistAttention:
         self._published[seq_id] = len(refs)
         if refs:
             self._tables[seq_id] = list(refs)
-            firsts = self._first_index.setdefault(seq_id, {})
-            for i, ref in enumerate(refs):
-                firsts.setdefault(ref.holder, i)
+            self._note_first_indices(seq_id, refs, 0)
         return len(refs) * self.block_size
 
     def cache_computed(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
