@@ -70,7 +70,8 @@ class TlsConfig:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
-def _files(directory: Path, role: str) -> tuple[Path, Path, Path]:
+def tls_files(directory: Path, role: str) -> tuple[Path, Path, Path]:
+    """``(ca.pem, <role>.pem, <role>-key.pem)`` of a TLS directory."""
     return directory / "ca.pem", directory / f"{role}.pem", directory / f"{role}-key.pem"
 
 
@@ -84,7 +85,7 @@ def load_tls_dir(directory: str | Path, role: str, server_name: str | None = SER
         raise InvalidRequest(f"unknown role {role!r}; roles are {', '.join(ROLES)}", param="role")
     path = Path(directory)
     contents = []
-    for file in _files(path, role):
+    for file in tls_files(path, role):
         try:
             data = file.read_bytes()
         except OSError as e:
@@ -106,7 +107,7 @@ class _Reloader:
 
     def _mtimes(self) -> tuple[int, ...]:
         try:
-            return tuple(os.stat(f).st_mtime_ns for f in _files(self.directory, self.role))
+            return tuple(os.stat(f).st_mtime_ns for f in tls_files(self.directory, self.role))
         except OSError:
             return ()
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinite_llm.core.errors import Unavailable
+from infinite_llm.rpc.tls import tls_files
 
 
 def find_etcd_binary() -> Path:
@@ -61,8 +62,7 @@ class EtcdTls:
     @classmethod
     def from_tls_dir(cls, directory: str | Path, role: str = "manager") -> EtcdTls:
         """``role``'s files in a TLS directory (``rpc/certs.py``): ``ca.pem``, ``<role>.pem``, ``<role>-key.pem``."""
-        d = Path(directory)
-        return cls(d / "ca.pem", d / f"{role}.pem", d / f"{role}-key.pem")
+        return cls(*tls_files(Path(directory), role))
 
     def flags(self) -> list[str]:
         files = f"--cert-file={self.cert_file}", f"--key-file={self.key_file}", f"--trusted-ca-file={self.ca_file}"
