@@ -78,13 +78,6 @@ def apply_forbidden(logits: torch.Tensor, forbidden: torch.Tensor | None) -> tor
     return logits.masked_fill(forbidden.to(logits.device, non_blocking=True), float("-inf"))
 
 
-def apply_constraints(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> torch.Tensor:
-    """``logits [num_seqs, vocab_size]`` with every token a row's constraint forbids at ``-inf``, computed
-    now (:func:`forbidden_tokens` then :func:`apply_forbidden`); the input itself when no row is constrained."""
-    assert logits.shape[0] == len(constraints)
-    return apply_forbidden(logits, forbidden_tokens(constraints, logits.shape[1]))
-
-
 class MaskPrefetch(Protocol):
     """Starts computing a step's forbidden tokens before the model runs, so the grammar work can overlap
     the forward (the engine's implementation uses a worker thread: ``engine/structured.py``)."""

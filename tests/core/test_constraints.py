@@ -4,7 +4,7 @@ import torch
 
 from infinite_llm.core.constraints import (
     ComputeOnWait,
-    apply_constraints,
+    apply_forbidden,
     bitmask_words,
     forbidden_tokens,
     unpack_bitmask,
@@ -38,8 +38,8 @@ def test_bit_t_mod_32_of_word_t_div_32_allows_token_t():
 
 def test_constrained_rows_keep_only_allowed_logits_and_others_are_untouched():
     logits = torch.arange(140, dtype=torch.float32).reshape(2, 70)
-    assert apply_constraints(logits, [None, None]) is logits
-    out = apply_constraints(logits, [None, Allow(3, 40)])
+    assert apply_forbidden(logits, forbidden_tokens([None, None], logits.shape[1])) is logits
+    out = apply_forbidden(logits, forbidden_tokens([None, Allow(3, 40)], logits.shape[1]))
     assert torch.equal(out[0], logits[0])
     assert out[1, 3].item() == 73.0 and out[1, 40].item() == 110.0
     assert torch.isinf(out[1]).sum().item() == 68
@@ -58,7 +58,7 @@ def test_unpacking_equals_bit_t_mod_32_of_word_t_div_32_for_every_bit_pattern():
 
 def test_every_row_constrained_masks_each_row_by_its_own_bitmask():
     logits = torch.zeros(2, 70)
-    out = apply_constraints(logits, [Allow(1), Allow(2, 69)])
+    out = apply_forbidden(logits, forbidden_tokens([Allow(1), Allow(2, 69)], logits.shape[1]))
     assert [row.isfinite().nonzero().flatten().tolist() for row in out] == [[1], [2, 69]]
 
 
