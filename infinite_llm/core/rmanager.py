@@ -209,6 +209,10 @@ class RManager:
         """Block ids of ``seq_id`` here, in commit order."""
         return list(self._owned.get(seq_id, {}).values())
 
+    def block_indices_from(self, seq_id: str, first_index: int) -> list[int]:
+        """Logical indices ``>= first_index`` that ``seq_id`` holds here, ascending."""
+        return sorted(i for i in self._owned.get(seq_id, {}) if i >= first_index)
+
     def block_indices(self, seq_id: str, block_ids: Sequence[int]) -> list[int]:
         """Logical index of each of ``seq_id``'s ``block_ids`` (for export)."""
         index_of = {b: i for i, b in self._owned.get(seq_id, {}).items()}

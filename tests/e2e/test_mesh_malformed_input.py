@@ -215,6 +215,12 @@ def _attention_cases() -> list[Case]:
         ("CancelReservation/unknown_reservation", [apb.CancelReservationRequest(reservation_id=987654)], NOT_FOUND),
         ("FreeSequence/seq_id_with_slash", [apb.FreeSequenceRequest(seq_id="a/b")], INVALID),
         ("FreeSequence/seq_id_empty", [apb.FreeSequenceRequest()], INVALID),
+        ("FreeSequence/from_block_index_negative", [apb.FreeSequenceRequest(seq_id="a", from_block_index=-1)], INVALID),
+        (
+            "FreeSequence/indices_and_from_block_index",
+            [apb.FreeSequenceRequest(seq_id="a", block_indices=[0], from_block_index=0)],
+            INVALID,
+        ),
         ("ExportBlocks/unknown_sequence", [apb.ExportBlocksRequest(seq_id="nope")], NOT_FOUND),
         ("ExportBlocks/chunk_bytes_negative", [apb.ExportBlocksRequest(seq_id="nope", chunk_bytes=-1)], INVALID),
         ("ExportBlocks/chunk_bytes_1GB", [apb.ExportBlocksRequest(seq_id="nope", chunk_bytes=1 << 30)], INVALID),

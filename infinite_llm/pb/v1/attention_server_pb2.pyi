@@ -50,18 +50,22 @@ class CancelReservationResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FreeSequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "block_indices")
+    __slots__ = ("seq_id", "block_indices", "from_block_index")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    FROM_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    from_block_index: int
+    def __init__(self, seq_id: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., from_block_index: _Optional[int] = ...) -> None: ...
 
 class FreeSequenceResponse(_message.Message):
-    __slots__ = ("num_freed",)
+    __slots__ = ("num_freed", "num_held")
     NUM_FREED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_FIELD_NUMBER: _ClassVar[int]
     num_freed: int
-    def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
+    num_held: int
+    def __init__(self, num_freed: _Optional[int] = ..., num_held: _Optional[int] = ...) -> None: ...
 
 class StepSeq(_message.Message):
     __slots__ = ("seq_id", "num_computed_tokens", "num_new")

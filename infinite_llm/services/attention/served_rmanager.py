@@ -97,17 +97,28 @@ class ServedRManager:
         del self._reservations[reservation_id]
         self._reserved_at.pop(reservation_id, None)
 
-    def free_sequence(self, seq_id: str, block_indices: list[int] | None = None) -> int:
+    def free_sequence(self, seq_id: str, block_indices: list[int] | None = None, from_index: int | None = None) -> int:
         """Free the sequence's rBlocks and open reservations; returns the rBlocks freed (0 if unknown).
         With ``block_indices`` only those logical rBlocks go (``InvalidRequest`` if one is not held here, or
-        for a malformed id)."""
+        for a malformed id). With ``from_index`` only the committed rBlocks at logical index ``>=
+        from_index`` go (none held: 0), reservations stay: the manager truncates a sequence this way before
+        it places a retried Place again (:meth:`.GlobalManager.place`)."""
         check_id("seq_id", seq_id)
+        if from_index is not None:
+            if from_index < 0:
+                raise InvalidRequest(f"from_block_index must be >= 0, got {from_index}", param="from_block_index")
+            beyond = self.rm.block_indices_from(seq_id, from_index)
+            return self.rm.free_blocks(seq_id, beyond) if beyond else 0
         if block_indices:
             return self.rm.free_blocks(seq_id, block_indices)
         freed = self.rm.free_sequence(seq_id)
         self._reservations = {r: v for r, v in self._reservations.items() if v[0] != seq_id}
         self._reserved_at = {r: t for r, t in self._reserved_at.items() if r in self._reservations}
         return freed
+
+    def num_held(self, seq_id: str) -> int:
+        """Committed rBlocks of ``seq_id`` here."""
+        return len(self.rm.owned_blocks(seq_id))
 
     def _reservation(self, reservation_id: int) -> tuple[str, tuple[int, ...]]:
         try:

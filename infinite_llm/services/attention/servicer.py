@@ -88,7 +88,11 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
 
     async def FreeSequence(self, request: pb.FreeSequenceRequest, context) -> pb.FreeSequenceResponse:
         indices = list(request.block_indices)
-        return pb.FreeSequenceResponse(num_freed=await self._run(self.holder.free_sequence, request.seq_id, indices))
+        from_index = request.from_block_index if request.HasField("from_block_index") else None
+        if from_index is not None and indices:
+            raise InvalidRequest("give block_indices or from_block_index, not both", param="from_block_index")
+        freed = await self._run(self.holder.free_sequence, request.seq_id, indices, from_index)
+        return pb.FreeSequenceResponse(num_freed=freed, num_held=await self._run(self.holder.num_held, request.seq_id))
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
         s = await self._run(self.holder.stats)

@@ -53,6 +53,10 @@ class GrpcBlockServers:
     async def free(self, server_id: str, seq_id: str) -> int:
         return (await self._call(server_id, "FreeSequence", apb.FreeSequenceRequest(seq_id=seq_id))).num_freed
 
+    async def truncate(self, server_id: str, seq_id: str, first_index: int) -> int:
+        request = apb.FreeSequenceRequest(seq_id=seq_id, from_block_index=first_index)
+        return (await self._call(server_id, "FreeSequence", request)).num_held
+
     async def _call(self, server_id: str, method: str, request):  # noqa: ANN001, ANN202
         try:
             return await getattr(self._stub(server_id), method)(request, timeout=CALL_TIMEOUT_S)

@@ -37,3 +37,11 @@ class LocalServers:
     async def free(self, server_id: str, seq_id: str) -> int:
         """Free every rBlock and reservation of ``seq_id`` on the server; returns rBlocks freed."""
         return self._get(server_id).free_sequence(seq_id)
+
+    async def truncate(self, server_id: str, seq_id: str, first_index: int) -> int:
+        """Free ``seq_id``'s committed rBlocks at logical index ``>= first_index``; returns rBlocks left."""
+        rm = self._get(server_id)
+        beyond = rm.block_indices_from(seq_id, first_index)
+        if beyond:
+            rm.free_blocks(seq_id, beyond)
+        return len(rm.owned_blocks(seq_id))

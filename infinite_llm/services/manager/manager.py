@@ -25,6 +25,7 @@ from infinite_llm.services.manager.computes import (
     check_address,
     debts,
 )
+from infinite_llm.services.manager.keyed_locks import KeyedLocks
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
 from infinite_llm.services.manager.membership import Membership, Registration
@@ -86,6 +87,7 @@ class GlobalManager:
         self.computes = ComputeInstances(store, self.leadership)
         self.migrations = Migrations(servers, self.ledger, self.view, self.address_of, config.max_txn_attempts)
         self.rebalancer = Rebalancer(self)
+        self._placing = KeyedLocks()  # one Place of a sequence at a time (a retry waits for the first)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:
@@ -235,7 +237,7 @@ class GlobalManager:
         seq_id: str,
         n_blocks: int,
         near: str | None = None,
-        first_index: int = 0,
+        first_index: int | None = None,
         owner: str = "",
         identity: str | None = None,
     ) -> list[Grant]:
@@ -246,7 +248,11 @@ class GlobalManager:
         conflict), then commits the reservations.
 
         ``first_index`` is the logical index of the first new rBlock in the sequence's block table: the
-        servers record each rBlock's index at commit, in grant order, and plan steps from them.
+        servers record each rBlock's index at commit, in grant order, and plan steps from them (``None``:
+        after the rBlocks the ledger counts). Place is idempotent per ``(seq_id, first_index)``: rBlocks the
+        ledger counts at or past ``first_index`` are ones the caller never learnt of (a reply lost when the
+        manager died; the caller retried), so they are freed first (:meth:`_truncate`). Places of one
+        sequence run one at a time.
         ``owner``: the compute instance running the sequence ('' = not told); the ledger records it with the
         sequence's first placement, which is how debts are counted.
         ``identity``: the caller's certificate subject (``None``: the manager itself, unchecked); a sequence
@@ -266,15 +272,26 @@ class GlobalManager:
         check_id("seq_id", seq_id)
         if n_blocks <= 0:
             raise InvalidRequest(f"n_blocks must be > 0, got {n_blocks}", param="n_blocks")
-        if first_index < 0:
+        if first_index is not None and first_index < 0:
             raise InvalidRequest(f"first_index must be >= 0, got {first_index}", param="first_block_index")
         if owner:
             check_id("instance_id", owner)
         if near:
             check_id("near_server_id", near)
         self.leadership.fence()  # fail before reserving anything
+        async with self._placing.hold(seq_id):
+            return await self._place(seq_id, n_blocks, near, first_index, owner, identity)
+
+    async def _place(
+        self, seq_id: str, n_blocks: int, near: str | None, first_index: int | None, owner: str, identity: str | None
+    ) -> list[Grant]:
         record = await self.ledger.read(seq_id)
         self._check_owner(record, owner, identity)
+        placed = sum(n for _, n in record.entries)
+        if first_index is None:
+            first_index = placed
+        elif placed > first_index:
+            record = await self._truncate(record, first_index)
         homes, lenders = await self.rebalancer.placement_targets(owner, n_blocks) if owner else ((), None)
         held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near, homes, lenders)
         try:
@@ -285,6 +302,31 @@ class GlobalManager:
         for h in held:
             self._placed[h.server_id] = self._placed.get(h.server_id, 0) + h.n_blocks
         return await self._commit(held, first_index)
+
+    async def _truncate(self, record: LedgerRecord, first_index: int) -> LedgerRecord:
+        """Make Place idempotent: the ledger counts rBlocks of the sequence at or past ``first_index``, which
+        the caller does not know it has (its block table is ``first_index`` long): a Place whose reply was
+        lost (the manager died after the commit; the caller retried), or a manager that died between the
+        ledger write and the commit. Free them on their servers, set the ledger to what the servers still
+        hold, and return the record as written; the caller then places the blocks again.
+
+        A server that cannot be reached keeps its count (its rBlocks are reclaimed with it)."""
+        log.info("Place of %s at block %d again: dropping its rBlocks from there first", record.seq_id, first_index)
+        for _ in range(self.config.max_txn_attempts):
+            held: LedgerEntries = []
+            for server_id, n in record.entries:
+                try:
+                    held.append((server_id, await self._servers.truncate(server_id, record.seq_id, first_index)))
+                except (Unavailable, NotFound) as e:
+                    log.warning("truncate %s on %s failed, count kept: %s", record.seq_id, server_id, e)
+                    held.append((server_id, n))
+            entries = [(server_id, n) for server_id, n in held if n > 0]
+            conflict = await self.ledger.swap(record, entries)
+            if conflict is None:
+                self._forget_placed(_dropped(record.entries, entries))
+                return await self.ledger.read(record.seq_id)
+            record = conflict
+        raise self.ledger.too_contended(record.seq_id)
 
     async def _record(self, record: LedgerRecord, added: LedgerEntries, owner: str = "") -> None:
         for _ in range(self.config.max_txn_attempts):
@@ -373,3 +415,9 @@ class GlobalManager:
             {r.seq_id: r.owner for r in records if r.owner},
             computes,
         )
+
+
+def _dropped(before: LedgerEntries, after: LedgerEntries) -> LedgerEntries:
+    """rBlocks per server in ``before`` but not in ``after`` (counts only go down)."""
+    left = dict(after)
+    return [(server_id, n - left.get(server_id, 0)) for server_id, n in before if n > left.get(server_id, 0)]

@@ -37,6 +37,11 @@ class BlockServers(Protocol):
 
     async def free(self, server_id: str, seq_id: str) -> int: ...
 
+    async def truncate(self, server_id: str, seq_id: str, first_index: int) -> int:
+        """Free ``seq_id``'s committed rBlocks at logical index ``>= first_index``; returns how many of
+        its rBlocks the server still holds."""
+        ...
+
 
 @dataclass(frozen=True)
 class Held:

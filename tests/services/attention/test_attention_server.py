@@ -89,6 +89,29 @@ def test_stats_count_blocks_exactly_and_free_returns_to_baseline(make_server):
     assert _stats(stub) == (10, 0, 0, 0, 0)
 
 
+def test_free_from_a_block_index_keeps_the_lower_blocks_and_reports_what_is_held(make_server):
+    """FreeSequence(from_block_index): what the manager uses to redo a Place whose reply was lost."""
+    _, stub = make_server(10, LAYOUT)
+    r = stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="a", num_blocks=4), timeout=TIMEOUT)
+    stub.CommitBlocks(pb.CommitBlocksRequest(reservation_id=r.reservation_id, block_indices=[0, 1, 5, 6]))
+    open_r = stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="a", num_blocks=1), timeout=TIMEOUT)
+    reply = stub.FreeSequence(pb.FreeSequenceRequest(seq_id="a", from_block_index=2), timeout=TIMEOUT)
+    assert (reply.num_freed, reply.num_held) == (2, 2)
+    assert _stats(stub) == (7, 2, 1, 1, 2 * 1536)  # the open reservation stays
+    reply = stub.FreeSequence(pb.FreeSequenceRequest(seq_id="a", from_block_index=2), timeout=TIMEOUT)
+    assert (reply.num_freed, reply.num_held) == (0, 2)  # again: nothing more
+    # the freed logical indices can be committed again; the held ones cannot
+    stub.CommitBlocks(pb.CommitBlocksRequest(reservation_id=open_r.reservation_id, block_indices=[5]))
+    r = stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="a", num_blocks=1), timeout=TIMEOUT)
+    assert _code(stub.CommitBlocks, pb.CommitBlocksRequest(reservation_id=r.reservation_id, block_indices=[1])) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    reply = stub.FreeSequence(pb.FreeSequenceRequest(seq_id="a", from_block_index=0), timeout=TIMEOUT)
+    assert (reply.num_freed, reply.num_held) == (3, 0)
+    assert stub.FreeSequence(pb.FreeSequenceRequest(seq_id="a"), timeout=TIMEOUT).num_freed == 0
+    assert _stats(stub) == (10, 0, 0, 0, 0)
+
+
 @pytest.fixture
 def prefilled(make_pair):
     """One server with sequence "a" (2 rBlocks) prefilled with 5 tokens, and a valid next decode step."""

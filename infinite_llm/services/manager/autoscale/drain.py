@@ -74,6 +74,9 @@ class DrainGuard:
     async def free(self, server_id: str, seq_id: str) -> int:
         return await self._servers.free(server_id, seq_id)
 
+    async def truncate(self, server_id: str, seq_id: str, first_index: int) -> int:
+        return await self._servers.truncate(server_id, seq_id, first_index)
+
     def _settle(self, server_id: str, reservation_id: int) -> None:
         if (server_id, reservation_id) in self._open:
             self._open.discard((server_id, reservation_id))
