@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 CAPACITY_REFRESH_S = 1.0  # how stale the cluster's capacity view may be before it is read again (seconds)
 # An unreachable manager (restarting, or etcd down) is retried with exponential backoff for this long
 # (seconds) before the placement is given up for this step: the engine thread waits meanwhile.
-# Only UNAVAILABLE is retried: a Place that timed out may still land, and placing twice would not be idempotent.
+# Only UNAVAILABLE is retried (Place is idempotent per first_block_index: a retry after a lost reply frees
+# what the first placed and places again, GlobalManager.place).
 PLACE_RETRY_S = 1.0
 TRANSPORTS = ("grpc", "torch")
 STARTUP_RETRY_S = 30.0  # how long a starting instance waits for an unreachable manager (seconds)
