@@ -9,11 +9,9 @@ instance move (the owner flips its block table); one migration per sequence at a
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import deque
 
-from infinite_llm.core.errors import Unavailable
 from infinite_llm.services.manager.planner import (
     ClusterView,
     InstanceView,
@@ -25,6 +23,7 @@ from infinite_llm.services.manager.planner import (
     lenders,
     plan,
 )
+from infinite_llm.services.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)
 SAMPLES_KEPT = 64  # step-timing heartbeats kept per instance for the cost fit
@@ -38,7 +37,7 @@ class Rebalancer:
         self.manager = manager
         self.config = config or PlannerConfig()
         self._samples: dict[str, deque[StepSample]] = {}
-        self._task: asyncio.Task | None = None
+        self._loop: PeriodicTask | None = None
 
     def observe_steps(self, instance_id: str, batch: int, tokens: int, num_steps: int, mean_step_s: float) -> None:
         """One heartbeat's step timing (``num_steps`` decode steps of ``mean_step_s`` seconds on average)."""
@@ -116,20 +115,10 @@ class Rebalancer:
 
     def start(self, interval_s: float) -> None:
         """Run :meth:`tick` every ``interval_s`` seconds in the background (errors are logged, not raised)."""
-        self._task = asyncio.get_running_loop().create_task(self._run(interval_s))
+        self._loop = PeriodicTask("planner", self.tick, interval_s)
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-
-    async def _run(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.tick()
-            except Unavailable as e:
-                log.info("planner tick skipped: %s", e)
-            except Exception:
-                log.exception("planner tick failed")
+        if self._loop is not None:
+            await self._loop.stop()
+            self._loop = None

@@ -24,8 +24,6 @@ the fault (or of the owner's lease expiry), i.e. within one lease period with th
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -35,6 +33,7 @@ from infinite_llm.core.errors import InfiniteLLMError, NotFound
 from infinite_llm.services.manager.ledger import LedgerRecord
 from infinite_llm.services.manager.manager import GlobalManager
 from infinite_llm.services.manager.placement import BlockServers
+from infinite_llm.services.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)
 
@@ -100,25 +99,13 @@ class Reconciler:
         self.reclaimed: dict[str, int] = {}
         self._suspects: dict[Orphan, tuple[int, int]] = {}  # -> (ledger mod_revision, report counter)
         self._read_mark = 0  # report counter when the previous pass had read the ledger
-        self._task: asyncio.Task | None = None
+        self._loop = PeriodicTask("reconciler", self.run_once, interval_s)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="reconciler")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.run_once()
-            except InfiniteLLMError as e:  # etcd unreachable, lost leadership: the next pass retries
-                log.warning("reconciliation pass failed: %s", e)
+        await self._loop.stop()
 
     async def run_once(self) -> list[Orphan]:
         """One pass: find suspects, reclaim those the previous pass found with the same evidence.

@@ -11,14 +11,12 @@ The drain state lives in this process: a manager that takes over leadership star
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from infinite_llm.core.errors import InfiniteLLMError
 from infinite_llm.services.manager.autoscale.drain import DrainGuard
 from infinite_llm.services.manager.autoscale.k8s_client import StatefulSetScaler
 from infinite_llm.services.manager.autoscale.policy import (
@@ -31,6 +29,7 @@ from infinite_llm.services.manager.autoscale.policy import (
 )
 from infinite_llm.services.manager.manager import GlobalManager
 from infinite_llm.services.manager.records import ClusterState, blocks_per_server
+from infinite_llm.services.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -103,7 +102,7 @@ class Autoscaler:
         self.manager, self.guard, self.scaler, self.settings = manager, guard, scaler, settings
         self.policy = ScalingPolicy(settings.policy)
         self._clock = clock
-        self._task: asyncio.Task | None = None
+        self._loop = PeriodicTask("attention-autoscaler", self.tick, self.settings.interval_s, tick_first=True)
         self._last_reason = ""
 
     async def tick(self) -> Decision | None:
@@ -133,24 +132,10 @@ class Autoscaler:
         return decision
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="attention-autoscaler")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except InfiniteLLMError as e:
-                log.warning("autoscaler: %s; retrying in %.0f s", e.message, self.settings.interval_s)
-            except Exception:  # a bug must not stop the loop for good: log it and try again
-                log.exception("autoscaler tick failed; retrying in %.0f s", self.settings.interval_s)
-            await asyncio.sleep(self.settings.interval_s)
+        await self._loop.stop()
 
     def _log(self, decision: Decision) -> None:
         if decision.action is not Action.HOLD:
