@@ -49,15 +49,30 @@ class _Abort:
     request_id: str
 
 
+# An abort cuts a running step at most once per this many seconds (EngineLoop.cut_interval_s).
+CUT_INTERVAL_S = 2.0
+
+
 class EngineLoop:
     """Runs ``engine.step()`` on a daemon thread while there is work; thread-safe ``submit``/``abort``."""
 
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, max_waiting: int = 1024) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
+        max_waiting: int = 1024,
+        cut_interval_s: float = CUT_INTERVAL_S,
+    ) -> None:
         """``max_waiting``: requests queued behind the running batch before new ones are refused with
         ``QueueFull`` (RESOURCE_EXHAUSTED; HTTP 429 at the gateway): backpressure, not an unbounded
-        queue whose latency nobody can see."""
+        queue whose latency nobody can see. ``cut_interval_s``: an abort cuts a running step (which the
+        other requests then run again) at most once per this many seconds; aborts in between wait for the
+        step's end, so a client that aborts request after request cannot keep everyone's steps from
+        finishing."""
         self.engine = engine
         self.max_waiting = max_waiting
+        self.cut_interval_s = cut_interval_s
+        self._last_cut = -float("inf")  # time.monotonic() of the last step cut by an abort
         self.metrics = metrics
         self._contexts: dict[str, otel_context.Context] = {}
         self._last_token_at: dict[str, float] = {}
@@ -191,12 +206,18 @@ class EngineLoop:
 
     def _interrupt(self) -> bool:
         """Engine thread, before each layer of a step: True when a running request was aborted meanwhile,
-        so the step is cut and its rBlocks are freed now rather than after the step (seconds on a CPU)."""
+        so the step is cut and its rBlocks are freed now rather than after the step (seconds on a CPU);
+        at most once per ``cut_interval_s`` (the other requests of a cut step run it again)."""
         if not self._aborting:  # the common case, read without the lock
+            return False
+        if time.monotonic() - self._last_cut < self.cut_interval_s:
             return False
         with self._aborting_lock:
             aborting = set(self._aborting)
-        return any(seq.seq_id in aborting for seq in self.engine.scheduler.running)
+        if not any(seq.seq_id in aborting for seq in self.engine.scheduler.running):
+            return False
+        self._last_cut = time.monotonic()
+        return True
 
     def _step_span(self):  # noqa: ANN202
         """A span for one engine step, child of the oldest live request's trace, linked to the others."""

@@ -96,3 +96,22 @@ def test_a_request_that_fails_alone_leaves_the_others_correct(loop_over_servers,
     again = Collected()  # the loop still serves
     loop.submit("good-again", prompts["good-7"], PARAMS, again)
     assert again.done.wait(120) and again.final.token_ids == want["good-7"]
+
+
+def test_aborts_cut_a_running_step_at_most_once_per_cut_interval(make_engine):
+    """An abort of a running request cuts the step (``_interrupt`` True before the next layer), but not
+    again within ``cut_interval_s``: a client aborting request after request cannot keep cutting everyone
+    else's steps. (The loop thread is not started: the test drives the engine thread's side by hand.)"""
+    engine = make_engine(num_kv_blocks=64)
+    rid = engine.add_request("Hello there", PARAMS, request_id="victim-or-attacker")
+    engine.step()  # prefill: the request is running now
+    assert [s.seq_id for s in engine.scheduler.running] == [rid]
+    rate_limited, unlimited = EngineLoop(engine, cut_interval_s=3600), EngineLoop(engine, cut_interval_s=0)
+    for loop in (rate_limited, unlimited):
+        assert loop._interrupt() is False  # nothing aborted
+        loop._aborting.add("not-running")
+        assert loop._interrupt() is False  # an abort of a request the step does not run cuts nothing
+        loop._aborting.add(rid)
+    assert [rate_limited._interrupt() for _ in range(3)] == [True, False, False]
+    assert [unlimited._interrupt() for _ in range(3)] == [True, True, True]
+    engine.abort(rid)
