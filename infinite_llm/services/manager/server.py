@@ -66,7 +66,7 @@ class ManagerServerConfig:
             InvalidRequest: ``etcd_tls_dir`` lacks a file or holds one that is not PEM.
         """
         if self.etcd_tls_dir:
-            return load_tls_dir(self.etcd_tls_dir, ETCD_CLIENT, server_name=None)
+            return load_tls_dir(self.etcd_tls_dir, ETCD_CLIENT, server_name=None, flag="--etcd-tls-dir")
         if not self.etcd.startswith("https://"):
             return None
         tls = resolve(FROM_PROCESS)
