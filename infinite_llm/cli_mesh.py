@@ -534,6 +534,12 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
     if mesh.tls_dir is not None:
         out = Console(soft_wrap=True)
         out.print(f"mTLS on; clients: --tls-dir {mesh.tls_dir}   (or export INFINITE_LLM_TLS_DIR={mesh.tls_dir})")
+        if mesh.etcd_tls_dir is not None:
+            d = mesh.etcd_tls_dir
+            out.print(
+                f"etcd admits only the manager's etcd certificate: etcdctl --endpoints {mesh.etcd.endpoint} "
+                f"--cacert {d}/ca.pem --cert {d}/manager.pem --key {d}/manager-key.pem"
+            )
     else:
         Console().print("[red]mTLS OFF (--insecure): every port is plaintext and unauthenticated[/red]")
 
