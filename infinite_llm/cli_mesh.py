@@ -18,7 +18,7 @@ from rich.table import Table
 
 from infinite_llm.cli_tls import HealthPort, Insecure, TlsDir, load_cli_tls, setup_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
-from infinite_llm.core.errors import Unavailable
+from infinite_llm.core.errors import InvalidRequest, Unavailable
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 
 err = Console(stderr=True, soft_wrap=True)
@@ -161,8 +161,21 @@ def serve_attention(
 @serve_app.command("manager")
 def serve_manager(
     etcd: Annotated[
-        str, typer.Option(help="etcd client endpoint HOST:PORT, or https://HOST:PORT to dial it with --tls-dir's cert.")
+        str,
+        typer.Option(
+            help="etcd client endpoint HOST:PORT, or https://HOST:PORT to dial it over mTLS with --etcd-tls-dir's "
+            "certificate (else --tls-dir's)."
+        ),
     ] = "127.0.0.1:2379",
+    etcd_tls_dir: Annotated[
+        str | None,
+        typer.Option(
+            envvar="INFINITE_LLM_ETCD_TLS_DIR",
+            help="etcd's mTLS: directory with ca.pem (etcd's CA), manager.pem and manager-key.pem "
+            "(infinite-llm tls etcd-init makes one).",
+            rich_help_panel="Security",
+        ),
+    ] = None,
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port.")] = 50050,
     manager_id: Annotated[str, typer.Option(help="Identity in the leader election.")] = "manager-0",
@@ -235,6 +248,7 @@ def serve_manager(
             autoscale = AutoscaleSettings(k8s_statefulset, k8s_namespace, policy, autoscale_interval)
         config = ManagerServerConfig(
             etcd=etcd,
+            etcd_tls_dir=etcd_tls_dir,
             host=host,
             port=port,
             manager_id=manager_id,
@@ -247,6 +261,12 @@ def serve_manager(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     setup_tls("manager", tls_dir, insecure, health_port)
+    try:
+        config.etcd_identity()  # a missing or unreadable --etcd-tls-dir is a usage error, before anything starts
+    except InvalidRequest as e:
+        raise typer.BadParameter(e.message, param_hint="--etcd-tls-dir") from None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--etcd") from None
     asyncio.run(serve(config))
 
 
@@ -514,6 +534,12 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
     if mesh.tls_dir is not None:
         out = Console(soft_wrap=True)
         out.print(f"mTLS on; clients: --tls-dir {mesh.tls_dir}   (or export INFINITE_LLM_TLS_DIR={mesh.tls_dir})")
+        if mesh.etcd_tls_dir is not None:
+            d = mesh.etcd_tls_dir
+            out.print(
+                f"etcd admits only the manager's etcd certificate: etcdctl --endpoints {mesh.etcd.endpoint} "
+                f"--cacert {d}/ca.pem --cert {d}/manager.pem --key {d}/manager-key.pem"
+            )
     else:
         Console().print("[red]mTLS OFF (--insecure): every port is plaintext and unauthenticated[/red]")
 

@@ -111,13 +111,37 @@ def tls_init(
     err.print(f"wrote a cluster CA and per-role certificates to {out}; clients use --tls-dir {out}")
 
 
+@tls_app.command("etcd-init")
+def tls_etcd_init(
+    directory: Annotated[Path, typer.Argument(help="Where to write ca.pem, etcd.pem, manager.pem and their keys.")],
+    host: Annotated[
+        list[str] | None,
+        typer.Option(help="A DNS name or IP the manager and etcd's peers dial etcd by (etcd.example); repeatable."),
+    ] = None,
+    days: Annotated[int, typer.Option(help="Validity in days.")] = 365,
+) -> None:
+    """Create an etcd CA (separate from the cluster's), etcd's certificate and the manager's etcd client
+    certificate: etcd trusts only this CA, so it admits the manager and no other role."""
+    from infinite_llm.rpc.certs import write_etcd_tls_dir
+
+    if days < 1:
+        raise typer.BadParameter(f"days must be >= 1, got {days}", param_hint="--days")
+    out = write_etcd_tls_dir(directory, hosts=tuple(host or ()), days=days)
+    err.print(
+        f"wrote an etcd CA, etcd's and the manager's etcd certificates to {out}: run etcd with "
+        f"--trusted-ca-file {out}/ca.pem --cert-file {out}/etcd.pem --key-file {out}/etcd-key.pem "
+        f"--client-cert-auth, and serve manager --etcd https://HOST:2379 --etcd-tls-dir {out}"
+    )
+
+
 @tls_app.command("k8s-secrets")
 def tls_k8s_secrets(
     namespace: Annotated[str, typer.Option(envvar="POD_NAMESPACE", help="Namespace ('' = this pod's).")] = "",
     prefix: Annotated[str, typer.Option(help="Secret names: <prefix>-<role>.")] = "infinite-llm-tls",
 ) -> None:
     """In a pod (the dev overlay's tls-bootstrap Job): create one kubernetes.io/tls Secret per role from a new
-    CA, unless all exist. Production uses cert-manager instead."""
+    CA, unless all exist, and etcd's two (etcd's, the manager's etcd client) from an etcd CA likewise.
+    Production uses cert-manager instead."""
     from kubernetes import client, config
 
     from infinite_llm.rpc.k8s_secrets import ensure_role_secrets

@@ -11,7 +11,10 @@ instance ``compute-(i mod M)``. ``stop`` sends SIGTERM (graceful drain), then SI
 
 mTLS is on unless ``insecure``: ``start`` writes a cluster CA and one certificate per role into
 ``<log_dir>/tls`` (or uses ``tls_dir``, default ``$INFINITE_LLM_TLS_DIR``, holding every role's files) and
-starts each service with ``--tls-dir``; :meth:`LocalMesh.tls` gives a role's identity to callers.
+starts each service with ``--tls-dir``; :meth:`LocalMesh.tls` gives a role's identity to callers. etcd gets
+a CA of its own in ``<log_dir>/etcd-tls`` (``rpc/certs.write_etcd_tls_dir``), signing only etcd's certificate
+and the manager's etcd client certificate (``serve manager --etcd-tls-dir``): etcd admits the manager and no
+other certificate of the cluster, as in Kubernetes.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class LocalMesh:
     keep_logs: bool = False  # keep log_dir (and etcd's data) after stop; set when something failed
     _rebinds: dict[str, int] = field(default_factory=dict)  # restarts on fresh ports, per process name
     tls_dir: Path | None = None  # the certificates every service uses (None: plaintext), set by start
+    etcd_tls_dir: Path | None = None  # etcd's CA, etcd's and the manager's etcd certificates (None: plaintext)
     _restarts: dict[str, int] = field(default_factory=dict)  # respawns by restart_crashed, per name
 
     @property
@@ -116,14 +120,13 @@ class LocalMesh:
         return None if self.tls_dir is None else load_tls_dir(self.tls_dir, role)
 
     def _setup_tls(self) -> None:
-        if self.config.insecure:
-            self.tls_dir = None
-        elif self.config.tls_dir:
-            self.tls_dir = Path(self.config.tls_dir)
-        else:
-            from infinite_llm.rpc.certs import write_tls_dir
+        from infinite_llm.rpc.certs import write_etcd_tls_dir, write_tls_dir
 
-            self.tls_dir = write_tls_dir(self.log_dir / "tls")
+        if self.config.insecure:
+            self.tls_dir = self.etcd_tls_dir = None
+            return
+        self.tls_dir = Path(self.config.tls_dir) if self.config.tls_dir else write_tls_dir(self.log_dir / "tls")
+        self.etcd_tls_dir = write_etcd_tls_dir(self.log_dir / "etcd-tls")  # etcd is this mesh's alone
 
     def _by_role(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
@@ -140,9 +143,10 @@ class LocalMesh:
         c = self.config
         try:
             self._setup_tls()
-            tls = EtcdTls.from_tls_dir(self.tls_dir) if self.tls_dir else None  # etcd takes the manager only
+            tls = EtcdTls.from_etcd_tls_dir(self.etcd_tls_dir) if self.etcd_tls_dir else None  # the manager only
             self.etcd = start_etcd(data_dir=self.log_dir / "etcd", tls=tls)
             manager_port = c.manager_port or free_port()
+            etcd_tls = ["--etcd-tls-dir", str(self.etcd_tls_dir)] if self.etcd_tls_dir else []
             self._spawn(
                 "manager",
                 "manager-0",
@@ -150,6 +154,7 @@ class LocalMesh:
                 [
                     "--etcd",
                     self.etcd.endpoint.removeprefix("http://"),
+                    *etcd_tls,
                     "--member-ttl",
                     str(c.member_ttl_s),
                     "--block-size",

@@ -1,5 +1,6 @@
-"""Flags of ``infinite-llm serve compute|router`` for the cluster view: bad values exit 2 naming the flag,
-before any model is loaded or any service is called (a real process, as a user runs it)."""
+"""Flags of ``infinite-llm serve compute|router`` for the cluster view, and of ``serve manager`` for etcd's
+mTLS: bad values exit 2 naming the flag, before any model is loaded or any service is called (a real
+process, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,28 @@ def test_bad_cluster_view_flags_exit_2_naming_the_problem(args, message):
     proc = subprocess.run([*CLI, "serve", *args], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     flat = " ".join(proc.stderr.replace("│", " ").split())  # rich boxes and wraps the message
+    assert message in flat, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--etcd", "https://127.0.0.1:1", "--etcd-tls-dir", "/nonexistent"],
+            "--etcd-tls-dir /nonexistent: cannot read ca.pem",
+        ),
+        (
+            ["--etcd", "127.0.0.1:1", "--etcd-tls-dir", "/tmp"],
+            "--etcd-tls-dir needs an https://HOST:PORT --etcd endpoint",
+        ),
+        (["--etcd", "https://127.0.0.1:1"], "needs a certificate: give --etcd-tls-dir or --tls-dir"),
+    ],
+)
+def test_bad_etcd_tls_flags_of_the_manager_exit_2_before_dialling(args, message):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("INFINITE_LLM_ETCD_TLS_DIR", None)
+    cmd = [*CLI, "serve", "manager", "--insecure", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    flat = " ".join(proc.stderr.replace("│", " ").split())
     assert message in flat, proc.stderr

@@ -10,6 +10,11 @@ A certificate names its role twice: the subject's common name (``CN=attention``)
 roles also carry DNS/IP SANs: :data:`~infinite_llm.rpc.tls.SERVER_NAME` (the name every channel of the mesh
 checks, so pods reached by IP verify), ``localhost``, ``127.0.0.1``, ``::1`` and any ``hosts`` given
 (Kubernetes Service names). The client role has no server name: its certificate cannot serve the mesh.
+
+etcd has a CA of its own (:func:`etcd_pems`, :func:`write_etcd_tls_dir`), as kubeadm gives it: it signs only
+the etcd members' certificate (``etcd.pem``: server, peer and etcd's own client calls) and the manager's
+etcd client certificate (``manager.pem``). etcd trusts only that CA, so it admits the manager and nobody
+else: a certificate of the cluster CA (a compute instance's, say) fails the handshake.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import ipaddress
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Final
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -72,16 +78,22 @@ def make_ca(common_name: str = "infinite-llm cluster CA", days: int = DEFAULT_DA
     return cert, key
 
 
-def _san(role: str, hosts: Iterable[str]) -> list[x509.GeneralName]:
-    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role)]
-    if role in CLIENT_ROLES:
-        return names
-    for host in dict.fromkeys((SERVER_NAME, *LOOPBACK_HOSTS, *hosts)):
+def _host_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    """IP SANs for addresses, DNS SANs for the rest (duplicates dropped)."""
+    names: list[x509.GeneralName] = []
+    for host in dict.fromkeys(hosts):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             names.append(x509.DNSName(host))
     return names
+
+
+def _san(role: str, hosts: Iterable[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role)]
+    if role in CLIENT_ROLES:
+        return names
+    return names + _host_names((SERVER_NAME, *LOOPBACK_HOSTS, *hosts))
 
 
 def make_leaf(
@@ -96,14 +108,24 @@ def make_leaf(
     one to make a second identity of the same role). Raises ValueError for an unknown role."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    return _sign(
+        common_name or role, _san(role, hosts), serves=role not in CLIENT_ROLES, ca=(ca_cert, ca_key), days=days
+    )
+
+
+def _sign(
+    common_name: str, san: list[x509.GeneralName], serves: bool, ca: tuple[x509.Certificate, Key], days: int
+) -> tuple[x509.Certificate, Key]:
+    """A leaf certificate signed by ``ca``: client auth, and server auth if it ``serves``."""
+    ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if role not in CLIENT_ROLES:
+    if serves:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
     cert = (
-        _builder(_name(common_name or role), ca_cert.subject, key, days)
+        _builder(_name(common_name), ca_cert.subject, key, days)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(_san(role, hosts)), critical=False)
+        .add_extension(x509.SubjectAlternativeName(san), critical=False)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -149,4 +171,42 @@ def write_tls_dir(
         cert, key = make_leaf(role, ca_cert, ca_key, hosts, days)
         _write(out / f"{role}.pem", cert_pem(cert), private=False)
         _write(out / f"{role}-key.pem", key_pem(key), private=True)
+    return out
+
+
+# ---- etcd's own CA ---------------------------------------------------------------------------------------
+ETCD_SERVER: Final = "etcd"  # file stem of the etcd members' certificate in an etcd TLS directory
+ETCD_CLIENT: Final = "manager"  # the one client etcd admits; load_tls_dir(dir, ETCD_CLIENT) reads its files
+
+
+def etcd_pems(hosts: Sequence[str] = (), days: int = DEFAULT_DAYS) -> tuple[bytes, dict[str, tuple[bytes, bytes]]]:
+    """A new etcd CA and the two certificates it signs, as PEM: ``(ca_pem, {stem: (cert_pem, key_pem)})``.
+
+    ``etcd`` (:data:`ETCD_SERVER`): the members' certificate, for their client port, their peer port and
+    the calls a member makes as a client (peers, its own gateway), so server and client auth; its SANs are
+    the loopback names and ``hosts`` (the names clients and peers dial: the Service, ``*.etcd.<ns>.svc``),
+    which etcd's peers and the manager check. ``manager`` (:data:`ETCD_CLIENT`): the manager's client
+    certificate (``CN=manager``, client auth only).
+    """
+    ca_cert, ca_key = make_ca("infinite-llm etcd CA", days)
+    server = _sign(ETCD_SERVER, _host_names((*LOOPBACK_HOSTS, *hosts)), serves=True, ca=(ca_cert, ca_key), days=days)
+    uri = [x509.UniformResourceIdentifier(ROLE_URI_PREFIX + ETCD_CLIENT)]
+    client = _sign(ETCD_CLIENT, uri, serves=False, ca=(ca_cert, ca_key), days=days)
+    pems = {
+        stem: (cert_pem(cert), key_pem(key)) for stem, (cert, key) in ((ETCD_SERVER, server), (ETCD_CLIENT, client))
+    }
+    return cert_pem(ca_cert), pems
+
+
+def write_etcd_tls_dir(directory: str | Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS) -> Path:
+    """Write an etcd TLS directory (made if missing; returns it): ``ca.pem`` (the etcd CA, not the cluster's),
+    ``etcd.pem``/``etcd-key.pem`` (what etcd serves with) and ``manager.pem``/``manager-key.pem`` (what the
+    manager dials etcd with: ``serve manager --etcd-tls-dir``). The etcd CA's key is not kept."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    ca, pems = etcd_pems(hosts, days)
+    _write(out / "ca.pem", ca, private=False)
+    for stem, (cert, key) in pems.items():
+        _write(out / f"{stem}.pem", cert, private=False)
+        _write(out / f"{stem}-key.pem", key, private=True)
     return out

@@ -75,24 +75,26 @@ def tls_files(directory: Path, role: str) -> tuple[Path, Path, Path]:
     return directory / "ca.pem", directory / f"{role}.pem", directory / f"{role}-key.pem"
 
 
-def load_tls_dir(directory: str | Path, role: str, server_name: str | None = SERVER_NAME) -> TlsConfig:
-    """Read ``ca.pem``, ``<role>.pem`` and ``<role>-key.pem`` from ``directory``.
+def load_tls_dir(
+    directory: str | Path, role: str, server_name: str | None = SERVER_NAME, flag: str = "--tls-dir"
+) -> TlsConfig:
+    """Read ``ca.pem``, ``<role>.pem`` and ``<role>-key.pem`` from ``directory`` (``flag``: the option that
+    named it, for the messages).
 
     Raises:
         InvalidRequest: an unknown role, a missing or unreadable file, or a file that is not PEM.
     """
     if role not in ROLES:
         raise InvalidRequest(f"unknown role {role!r}; roles are {', '.join(ROLES)}", param="role")
-    path = Path(directory)
+    path, param = Path(directory), flag.lstrip("-").replace("-", "_")
     contents = []
     for file in tls_files(path, role):
         try:
             data = file.read_bytes()
         except OSError as e:
-            message = f"--tls-dir {directory}: cannot read {file.name}: {e.strerror}"
-            raise InvalidRequest(message, param="tls_dir") from e
+            raise InvalidRequest(f"{flag} {directory}: cannot read {file.name}: {e.strerror}", param=param) from e
         if b"-----BEGIN" not in data:
-            raise InvalidRequest(f"--tls-dir {directory}: {file.name} is not PEM", param="tls_dir")
+            raise InvalidRequest(f"{flag} {directory}: {file.name} is not PEM", param=param)
         contents.append(data)
     return TlsConfig(role, *contents, directory=path, server_name=server_name)
 

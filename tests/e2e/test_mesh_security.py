@@ -197,25 +197,31 @@ def test_a_live_compute_id_cannot_be_registered_or_spoken_for_by_another_identit
         assert c.generate(PROMPT, max_tokens=4, temperature=0).finish_reason == "length"
 
 
-def test_the_meshs_etcd_refuses_plaintext_and_another_ca(mesh, tmp_path):
-    """Issue 11's "etcd itself is open": the mesh's etcd serves TLS and takes only cluster certificates."""
+def test_the_meshs_etcd_admits_only_the_managers_etcd_certificate(mesh, tmp_path):
+    """Issue 11's "etcd itself is open": the mesh's etcd serves TLS and trusts only etcd's own CA: the
+    manager's etcd certificate lists the members; plaintext, another CA's certificate, and the cluster
+    certificates of every other role (even presented trusting etcd's CA) are refused."""
     import asyncio
+    import dataclasses
 
     from infinite_llm.core.errors import Unavailable
     from infinite_llm.state.etcd_store import EtcdStore
 
     assert mesh.etcd.endpoint.startswith("https://") and mesh.etcd.is_healthy()
+    manager = load_tls_dir(mesh.etcd_tls_dir, "manager", server_name=None)
     other_ca = load_tls_dir(write_tls_dir(tmp_path / "other"), "manager")
 
-    async def list_members(tls: TlsConfig | None) -> None:
+    async def list_members(tls: TlsConfig | None) -> int:
         store = EtcdStore(mesh.etcd.host, mesh.etcd.client_port, timeout_s=3.0, tls=tls)
         await store.connect()
         try:
-            await store.get_prefix("members/")
+            return len((await store.get_prefix("members/")).items)
         finally:
             await store.close()
 
-    for refused in (None, other_ca):
+    assert asyncio.run(list_members(manager)) == len(mesh.attention_servers())
+    cluster = [dataclasses.replace(mesh.tls(role), ca_pem=manager.ca_pem, server_name=None) for role in ROLES]
+    for refused in (None, other_ca, *cluster):
         with pytest.raises(Unavailable):
             asyncio.run(list_members(refused))
 

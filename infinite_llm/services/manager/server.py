@@ -13,9 +13,10 @@ from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.observability.metrics import ManagerMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
+from infinite_llm.rpc.certs import ETCD_CLIENT
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
-from infinite_llm.rpc.tls import FROM_PROCESS, resolve
+from infinite_llm.rpc.tls import FROM_PROCESS, TlsConfig, load_tls_dir, resolve
 from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, DrainGuard, KubernetesScaler
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
 from infinite_llm.services.manager.manager import GlobalManager, ManagerConfig
@@ -29,11 +30,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ManagerServerConfig:
-    """``etcd`` is ``host:port`` of an etcd client endpoint, or ``https://host:port`` for an etcd that
-    takes only clients with a certificate of the cluster CA (the manager dials it with its own identity,
-    ``--tls-dir``); TTLs in seconds."""
+    """``etcd`` is ``host:port`` of an etcd client endpoint, or ``https://host:port`` for an etcd that serves
+    TLS and demands a client certificate. The manager dials such an etcd with ``etcd_tls_dir``'s
+    certificate (an etcd TLS directory: ``ca.pem`` of the etcd CA, ``manager.pem``, ``manager-key.pem``;
+    etcd's certificate must name the endpoint's host), else with its own identity (``--tls-dir``, for an
+    etcd that trusts the cluster CA); TTLs in seconds."""
 
     etcd: str
+    etcd_tls_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 50050
     manager_id: str = "manager-0"
@@ -50,17 +54,30 @@ class ManagerServerConfig:
         host, _, port = self.etcd.removeprefix("https://").rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--etcd must be HOST:PORT or https://HOST:PORT, got {self.etcd!r}")
+        if self.etcd_tls_dir and not self.etcd.startswith("https://"):
+            raise ValueError(f"--etcd-tls-dir needs an https://HOST:PORT --etcd endpoint, got {self.etcd!r}")
+
+    def etcd_identity(self) -> TlsConfig | None:
+        """What the manager dials etcd with: ``etcd_tls_dir``'s certificate (checking the endpoint's host
+        in etcd's), else this process's identity for an ``https://`` endpoint, else nothing (plaintext).
+
+        Raises:
+            ValueError: an ``https://`` endpoint without either (``--insecure`` and no ``--etcd-tls-dir``).
+            InvalidRequest: ``etcd_tls_dir`` lacks a file or holds one that is not PEM.
+        """
+        if self.etcd_tls_dir:
+            return load_tls_dir(self.etcd_tls_dir, ETCD_CLIENT, server_name=None, flag="--etcd-tls-dir")
+        if not self.etcd.startswith("https://"):
+            return None
+        tls = resolve(FROM_PROCESS)
+        if tls is None:
+            raise ValueError(f"--etcd {self.etcd} needs a certificate: give --etcd-tls-dir or --tls-dir")
+        return tls
 
     def etcd_store(self) -> EtcdStore:
-        """The manager's etcd client; over mTLS with this process's identity for an ``https://`` endpoint.
-        Raises ValueError for an ``https://`` endpoint when the process has no identity (``--insecure``)."""
+        """The manager's etcd client (over mTLS with :meth:`etcd_identity`, which may raise)."""
         host, _, port = self.etcd.removeprefix("https://").rpartition(":")
-        tls = None
-        if self.etcd.startswith("https://"):
-            tls = resolve(FROM_PROCESS)
-            if tls is None:
-                raise ValueError(f"--etcd {self.etcd} needs a certificate: give --tls-dir, not --insecure")
-        return EtcdStore(host, int(port), prefix=self.prefix, tls=tls)
+        return EtcdStore(host, int(port), prefix=self.prefix, tls=self.etcd_identity())
 
 
 async def serve(config: ManagerServerConfig) -> None:
