@@ -14,10 +14,13 @@ import os
 import time
 
 import grpc
+import httpx
+import openai
 import pytest
 
 from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.mesh import LocalMesh, MeshConfig
+from infinite_llm.models.registry import load_tokenizer, resolve_model
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.rpc.certs import write_tls_dir
@@ -28,6 +31,8 @@ BLOCK_SIZE = 16
 BLOCKS_PER_SERVER = 8
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, fp32
 BYTES_PER_BLOCK = KVLayout(30, BLOCK_SIZE, 3, 64).bytes_per_block
+# The mesh's gateway inherits INFINITE_LLM_API_KEY from the environment, if one is set there.
+API_KEY = os.environ.get("INFINITE_LLM_API_KEY") or "none"
 
 
 def mesh_config(**overrides) -> MeshConfig:
@@ -69,6 +74,26 @@ def mesh_channel(address: str, role: str = "manager") -> grpc.Channel:
 def mesh(default_model_path):
     with LocalMesh(mesh_config()) as m:
         yield m
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_path):
+    """The default model's tokenizer, as the gateway loads it."""
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="module")
+def http(mesh):
+    """An HTTP client of the session mesh's gateway, with its API key (no proxies from the environment)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=f"http://{mesh.gateway_address}", timeout=300, trust_env=False, headers=headers) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(mesh):
+    """The official OpenAI client on the session mesh's gateway."""
+    return openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def _free_port() -> int:

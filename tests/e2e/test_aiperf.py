@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from infinite_llm.models.registry import load_tokenizer, resolve_model
-from tests.e2e.test_gateway import API_KEY
+from tests.e2e.conftest import API_KEY
 
 # aiperf's dependencies clash with the project's (it pins transformers 5.24 and python-dateutil 4, among ~150
 # packages): it runs from its own virtual environment, made by `make aiperf-venv` (`make test` makes it).

@@ -19,12 +19,12 @@ from fastapi.testclient import TestClient
 
 from infinite_llm.client import Client, InvalidRequest
 from infinite_llm.core.errors import ContextLengthExceeded, KVCapacityExceeded, ModelNotFound
-from infinite_llm.models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
+from infinite_llm.models.registry import DEFAULT_MODEL
 from infinite_llm.services.admin import cluster_state
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
 from infinite_llm.state.etcd_launcher import free_port
-from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, wait_until
+from tests.e2e.conftest import API_KEY, BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, wait_until
 
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
 PROMPT = "The capital of France is"
@@ -32,33 +32,8 @@ QUESTION = [{"role": "user", "content": "What is a KV cache? Answer in one sente
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return load_tokenizer(resolve_model(None))
-
-
-@pytest.fixture(scope="module")
 def sdk(mesh):
     with Client(mesh.router_address) as c:
-        yield c
-
-
-# The mesh's gateway inherits INFINITE_LLM_API_KEY from the environment, if one is set there.
-API_KEY = os.environ.get("INFINITE_LLM_API_KEY") or "none"
-
-
-@pytest.fixture(scope="module")
-def oai(mesh):
-    return openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(mesh):
-    with httpx.Client(
-        base_url=f"http://{mesh.gateway_address}",
-        timeout=120,
-        trust_env=False,
-        headers={"Authorization": f"Bearer {API_KEY}"},
-    ) as c:
         yield c
 
 

@@ -10,34 +10,13 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import openai
 import pytest
 import torch
 
 from infinite_llm.client import Client
-from infinite_llm.models.registry import load_tokenizer, resolve_model
-from tests.e2e.test_gateway import API_KEY
 
 TOL = 2e-3
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return load_tokenizer(resolve_model(None))
-
-
-@pytest.fixture(scope="module")
-def http(mesh):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=f"http://{mesh.gateway_address}", timeout=120, trust_env=False, headers=headers) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(mesh):
-    return openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:

@@ -9,26 +9,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import torch
 
-from infinite_llm.models.registry import load_tokenizer, resolve_model
-from tests.e2e.test_gateway import API_KEY
-
 PROMPT = "The list of colors: red, blue, green, red, blue, green, red,"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return load_tokenizer(resolve_model(None))
-
-
-@pytest.fixture(scope="module")
-def http(mesh):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=f"http://{mesh.gateway_address}", timeout=120, trust_env=False, headers=headers) as c:
-        yield c
 
 
 def complete(http, **body) -> dict:

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
-import openai
 import pytest
-
-from tests.e2e.test_gateway import API_KEY
 
 # Bounded schemas (string lengths, integer ranges, no extra properties): a small model may otherwise write
 # until max_tokens cuts the value, which no grammar can prevent.
@@ -44,18 +40,6 @@ SCHEMAS = {
 }
 MAX_TOKENS = 160  # the e2e mesh's KV memory holds 384 tokens per request (24 rBlocks of 16)
 QUESTION = [{"role": "user", "content": "Describe the weather in Paris today as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def oai(mesh):
-    return openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def http(mesh):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=f"http://{mesh.gateway_address}", timeout=300, trust_env=False, headers=headers) as c:
-        yield c
 
 
 def response_format(name: str) -> dict:

@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from infinite_llm.models.registry import load_tokenizer, resolve_model
-from tests.e2e.test_gateway import API_KEY
 
 WEATHER = {
     "type": "function",
@@ -41,11 +40,6 @@ TIME = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX_TOKENS = 160  # the e2e mesh holds 384 tokens per request
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def oai(mesh):
-    return openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def test_a_named_function_is_called_with_arguments_that_validate(oai):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from infinite_llm.models.registry import load_tokenizer, resolve_model
-from tests.e2e.test_gateway import API_KEY
+from tests.e2e.conftest import API_KEY
 
 # lm-eval's dependencies clash with the project's (its table writer caps python-dateutil below 3, the
 # Kubernetes client needs 3 or later): it runs from its own virtual environment, made by `make lm-eval-venv`.
