@@ -18,7 +18,11 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 MIN_PING_INTERVAL_MS = 10_000
 
 # Reconnect quickly to a peer that was down (gRPC's default backoff grows to 120 s, so a router that started
-# before its compute instance finished loading would refuse requests for minutes). Times in ms.
+# before its compute instance finished loading would refuse requests for minutes). Times in ms. Only the
+# initial and the maximum backoff are set: C-core reads grpc.min_reconnect_backoff_ms as the time a
+# connection attempt may take (MIN_CONNECT_TIMEOUT, default 20 s, doc/connection-backoff.md), so setting it
+# to 250 ms failed TCP + TLS handshakes that took longer on a busy machine ("connection attempt timed out
+# before receiving SETTINGS frame"; grpc/grpc#33423).
 RECONNECT_BACKOFF_MS = (250, 2_000)  # first, most
 
 DEFAULT_TIMEOUT_S = 30.0  # deadline of a call that names none (DESIGN.md §4: every call has a deadline)
@@ -53,6 +57,5 @@ def channel_options() -> Options:
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]

@@ -17,8 +17,9 @@ LEASE_S = 3  # the e2e mesh's member TTL
 
 
 def _listed(mesh) -> dict[str, str]:
-    """Compute instances the manager lists: id -> address."""
-    return {c.instance_id: c.address for c in cluster_state(mesh.manager_address).compute_instances}
+    """Compute instances the manager lists: id -> address. (30 s: a model load of a starting instance can
+    starve the manager's TLS handshake past the default 5 s on a loaded 2-core CI machine.)"""
+    return {c.instance_id: c.address for c in cluster_state(mesh.manager_address, timeout_s=30).compute_instances}
 
 
 def _generated(address: str) -> int:

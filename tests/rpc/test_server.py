@@ -164,3 +164,38 @@ def test_deadline_shrinks_and_expires():
     time.sleep(0.06)
     with pytest.raises(DeadlineExceeded, match="deadline passed"):
         d.remaining()
+
+
+def test_a_slow_handshake_gets_the_calls_deadline_not_a_quarter_second():
+    """A peer that accepts TCP and is slow to answer (a TLS handshake on a busy machine) must get the whole
+    call deadline: with ``grpc.min_reconnect_backoff_ms`` set to 250 ms, C-core gave each connection attempt
+    250 ms and the call failed UNAVAILABLE ("connection attempt timed out before receiving SETTINGS frame")
+    after ~0.3 s. Both channel kinds, with the project's channel options."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted = []  # held open, never answered
+    threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(8)], daemon=True).start()
+    target = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def code_after(call) -> tuple[grpc.StatusCode, float]:  # noqa: ANN001
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        return info.value.code(), time.monotonic() - start
+
+    request = pb.GetStatsRequest()
+    with sync_channel(target, tls=None) as ch:
+        code, seconds = code_after(lambda: pb_grpc.AttentionServerStub(ch).GetStats(request, timeout=2))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds >= 1.9, (code, seconds)
+
+    async def aio_call() -> None:
+        async with aio_channel(target, tls=None) as ch:
+            await pb_grpc.AttentionServerStub(ch).GetStats(request, timeout=2)
+
+    code, seconds = code_after(lambda: asyncio.run(aio_call()))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds >= 1.9, (code, seconds)
+    listener.close()
