@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinite_llm.core.constraints import TokenConstraint, forbidden_tokens
+from infinite_llm.core.constraints import StepMasks, TokenConstraint, fill_bitmasks
 from infinite_llm.core.errors import InvalidRequest
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -103,9 +103,9 @@ class ThreadedMaskPrefetch:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, constraints: list[TokenConstraint | None], vocab_size: int) -> Callable[[], torch.Tensor | None]:
+    def start(self, constraints: list[TokenConstraint | None], vocab_size: int) -> Callable[[], StepMasks | None]:
         if all(c is None for c in constraints):
             return lambda: None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        return self._pool.submit(forbidden_tokens, list(constraints), vocab_size).result
+        return self._pool.submit(fill_bitmasks, list(constraints), vocab_size).result
