@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infinite_llm.core.constraints import ComputeOnWait, MaskPrefetch, apply_forbidden
+from infinite_llm.core.constraints import ComputeOnWait, MaskPrefetch, apply_bitmasks
 from infinite_llm.core.decode_graphs import DecodeGraphs
 from infinite_llm.core.dist_attention import StepAttention
 from infinite_llm.core.logits_processors import SeqTokens, apply_processors
@@ -86,18 +86,18 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(s)
         # The grammar masks depend only on the tokens accepted so far: they are computed during the forward.
-        forbidden = self.mask_prefetch.start([s.seq.constraint for s in sampling], self.model.config.vocab_size)
+        masks = self.mask_prefetch.start([s.seq.constraint for s in sampling], self.model.config.vocab_size)
         try:
             logits = self._logits(scheduled, ids, positions, prompt_rows + sample_rows, interrupt)
         except BaseException:
             with contextlib.suppress(Exception):  # no constraint may change while its mask is being computed
-                forbidden()
+                masks()
             raise
         result = StepResult(prompt_logprobs=self._score_prompts(logits[: len(prompt_rows)], scored))
         logits = logits[len(prompt_rows) :]  # (num_sampling_seqs, vocab)
         params = [s.seq.params for s in sampling]
         seqs = [SeqTokens(s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.stop_ids) for s in sampling]
-        processed = apply_forbidden(apply_processors(logits, params, seqs), forbidden())
+        processed = apply_bitmasks(apply_processors(logits, params, seqs), masks())
         tokens = sample(processed, params, [len(s.seq.output_token_ids) for s in sampling])
         result.tokens = {s.seq.seq_id: t for s, t in zip(sampling, tokens, strict=True)}
         result.logprobs = _sampled_logprobs(logits, sampling, tokens)

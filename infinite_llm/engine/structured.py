@@ -10,9 +10,11 @@ compact (``whitespace_flexible: false``): a small model left free to emit whites
 
 The llguidance tokenizer (the vocabulary's byte strings, ~1-4 s to build) is made on the first constrained
 request and kept. Each step's masks are computed on a worker thread while the model runs the step
-(:class:`ThreadedMaskPrefetch`): llguidance releases the GIL while it computes a mask, and so does torch
-while it unpacks them, so on a decode step the grammar costs little more than applying the mask. Source:
-vLLM ``v1/structured_output/backend_guidance.py``; llguidance's docs on computing masks during the forward.
+(:class:`ThreadedMaskPrefetch`): llguidance releases the GIL while it computes a mask. That hides the masks
+where the forward leaves the CPU idle (a GPU's); on a CPU device the forward keeps every core busy, so the
+masks' CPU time (~0.2-0.5 ms a sequence for ``benchmarks/structured_output.py``'s schema on the 2-core
+development machine) is a real cost per step, whichever thread computes them. Source: vLLM
+``v1/structured_output/backend_guidance.py``; llguidance's docs on computing masks during the forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinite_llm.core.constraints import TokenConstraint, forbidden_tokens
+from infinite_llm.core.constraints import StepMasks, TokenConstraint, fill_bitmasks
 from infinite_llm.core.errors import InvalidRequest
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -103,9 +105,9 @@ class ThreadedMaskPrefetch:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, constraints: list[TokenConstraint | None], vocab_size: int) -> Callable[[], torch.Tensor | None]:
+    def start(self, constraints: list[TokenConstraint | None], vocab_size: int) -> Callable[[], StepMasks | None]:
         if all(c is None for c in constraints):
             return lambda: None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        return self._pool.submit(forbidden_tokens, list(constraints), vocab_size).result
+        return self._pool.submit(fill_bitmasks, list(constraints), vocab_size).result
