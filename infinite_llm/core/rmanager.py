@@ -132,6 +132,9 @@ class RManager:
         self._versions: dict[str, int] = {}  # bumped when a sequence's blocks are freed: voids older plans
         self._block_of_hash: dict[BlockHash, int] = {}  # prefix cache: full rBlocks here, by hash
         self._hash_of_block: dict[int, BlockHash] = {}
+        # Told the hashes that leave this holder's prefix cache (evicted or cleared), in order: an attention
+        # server passes them on so the cluster's index drops them (``services/attention/served_rmanager.py``).
+        self.on_uncache: Callable[[list[BlockHash]], None] | None = None
 
     # ---- ownership ---------------------------------------------------------------------------------
     def allocate(self, seq_id: str, block_indices: Sequence[int]) -> list[int]:
@@ -263,10 +266,14 @@ class RManager:
 
     def _forget_hashes(self, block_ids: list[int]) -> None:
         """The pool evicted (or uncached) these blocks: they leave the index in the same call."""
+        gone = []
         for b in block_ids:
             h = self._hash_of_block.pop(b, None)
             if h is not None:
                 del self._block_of_hash[h]
+                gone.append(h)
+        if gone and self.on_uncache is not None:
+            self.on_uncache(gone)
 
     # ---- attention ---------------------------------------------------------------------------------
     def plan_rows(self, seqs: Sequence[SeqStep]) -> PlanRows:
