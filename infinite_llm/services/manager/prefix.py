@@ -128,6 +128,7 @@ class PrefixCaching:
         attached = _per_server([(g.server_id, g.n_blocks) for g in grants])
         if attached != planned:  # a hash was evicted meanwhile: the ledger counts what was attached
             await self._write(await self._m.ledger.read(seq_id), attached, owner)
+            await self.flush_uncached()  # and the stale entry leaves the index
         for server_id, n in attached:
             self._m._placed[server_id] = self._m._placed.get(server_id, 0) + n
         self.hits += sum(n for _, n in attached)
