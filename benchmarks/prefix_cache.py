@@ -84,9 +84,9 @@ def scrape(address: str, name: str) -> float:
 def cold_answers(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Each prompt's greedy answer from the in-process engine with prefix caching off (every token computed)."""
     model_config, state_dict, tokenizer = load_model_files(resolve_model(None))
-    engine = LLMEngine.from_weights(
-        model_config, state_dict, tokenizer, EngineConfig(num_kv_blocks=2048, enable_prefix_caching=False)
-    )
+    num_blocks = max(len(p) for p in prompts) // BLOCK_SIZE + max_tokens // BLOCK_SIZE + 8  # one request at a time
+    config = EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, enable_prefix_caching=False)
+    engine = LLMEngine.from_weights(model_config, state_dict, tokenizer, config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return [engine.generate([p], params)[0].token_ids for p in prompts]
 
