@@ -277,8 +277,7 @@ class DistAttention:
         return self.placement.publish(seq_id, [(i, known[i], table[i]) for i in range(done, full)])  # type: ignore[attr-defined]
 
     def flush_published(self) -> int:
-        """Send what :meth:`cache_computed` queued, where the placement batches publishing (one message per
-        step to the cluster's index); returns how many rBlocks the index took."""
+        """Send what :meth:`cache_computed` queued (a placement that publishes once per step); returns how many."""
         flush = getattr(self.placement, "flush_published", None)
         return flush() if self.prefix_caching and flush is not None else 0
 

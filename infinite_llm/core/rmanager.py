@@ -132,9 +132,7 @@ class RManager:
         self._versions: dict[str, int] = {}  # bumped when a sequence's blocks are freed: voids older plans
         self._block_of_hash: dict[BlockHash, int] = {}  # prefix cache: full rBlocks here, by hash
         self._hash_of_block: dict[int, BlockHash] = {}
-        # Told the hashes that leave this holder's prefix cache (evicted or cleared), in order: an attention
-        # server passes them on so the cluster's index drops them (``services/attention/served_rmanager.py``).
-        self.on_uncache: Callable[[list[BlockHash]], None] | None = None
+        self.on_uncache: Callable[[list[BlockHash]], None] | None = None  # told hashes evicted or cleared here
 
     # ---- ownership ---------------------------------------------------------------------------------
     def allocate(self, seq_id: str, block_indices: Sequence[int]) -> list[int]:
@@ -266,12 +264,9 @@ class RManager:
 
     def _forget_hashes(self, block_ids: list[int]) -> None:
         """The pool evicted (or uncached) these blocks: they leave the index in the same call."""
-        gone = []
-        for b in block_ids:
-            h = self._hash_of_block.pop(b, None)
-            if h is not None:
-                del self._block_of_hash[h]
-                gone.append(h)
+        gone = [h for b in block_ids if (h := self._hash_of_block.pop(b, None)) is not None]
+        for h in gone:
+            del self._block_of_hash[h]
         if gone and self.on_uncache is not None:
             self.on_uncache(gone)
 
