@@ -113,11 +113,9 @@ class PrefixCaching:
         await self.flush_uncached()
         record = await self._m.ledger.read(seq_id)
         self._m._check_owner(record, owner, identity)
-        if record.entries:  # a retried MatchPrefix: undo the earlier attempt
-            log.info("sequence %s already holds rBlocks at its first MatchPrefix; freeing them", seq_id[:64])
-            await self._m._free_on_servers(seq_id, record.entries)
-            self._m._forget_placed(record.entries)
         live = {m.info.server_id for m in self._m.members()}
+        if record.entries:  # a retried MatchPrefix (its reply was lost): undo the earlier attempt first
+            await self._undo(seq_id, record.entries, live)
         runs = _runs(self.index.longest_prefix(hashes, live))
         self.queries += len(hashes)
         if not runs and not record.entries:
@@ -134,6 +132,16 @@ class PrefixCaching:
         self.hits += sum(n for _, n in attached)
         return grants
 
+    async def _undo(self, seq_id: str, entries: LedgerEntries, live: set[str]) -> None:
+        """Free what an earlier attempt left of the new sequence ``seq_id`` on each live server of its ledger
+        entry (a lost server's KV died with it). Raises ``Unavailable`` (nothing attached, the caller retries)
+        when a live server cannot be reached: attaching over leftovers would mix two attempts' blocks."""
+        log.info("sequence %s holds rBlocks at its first MatchPrefix (a lost reply); freeing them", seq_id[:64])
+        for server_id, _ in entries:
+            if server_id in live:
+                await self._m.block_servers.free(server_id, seq_id)
+        self._m._forget_placed(entries)
+
     async def _attach(self, seq_id: str, hashes: Sequence[BlockHash], runs: list[tuple[str, int, int]]) -> list[Grant]:
         """Attach each run on its server until one comes back short (evicted meanwhile) or fails."""
         grants: list[Grant] = []
@@ -141,7 +149,12 @@ class PrefixCaching:
             try:
                 run = list(hashes[start : start + n])
                 ids, uncached = await self._m.block_servers.attach(server_id, seq_id, start, run)
-            except (Unavailable, NotFound, InvalidRequest) as e:
+            except InvalidRequest as e:  # the new sequence holds rBlocks there already: leftovers, freed
+                log.warning("attach on %s for %s refused (%s); freeing its leftovers there", server_id, seq_id[:64], e)
+                await self._m.block_servers.free(server_id, seq_id)
+                del grants[next((i for i, g in enumerate(grants) if g.server_id == server_id), len(grants)) :]
+                break
+            except (Unavailable, NotFound) as e:
                 log.warning("attach of %d cached rBlocks on %s for %s failed: %s", n, server_id, seq_id[:64], e)
                 break
             self.note_uncached(server_id, uncached)
