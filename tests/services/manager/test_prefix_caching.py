@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from infinite_llm.core.errors import InvalidRequest, PermissionDenied
+from infinite_llm.core.errors import InvalidRequest, PermissionDenied, Unavailable
 from infinite_llm.core.prefix_cache import block_hashes
 from infinite_llm.services.manager import Grant
 from infinite_llm.services.manager.computes import ComputeInfo
@@ -117,5 +117,29 @@ def test_only_the_owners_identity_may_match_or_publish_and_bad_hashes_are_refuse
                 await m.prefix.match("bad id", H)
             assert servers.rmanagers["a"].pool.ref_count(0) == 1  # nothing was attached
             assert (await m.cluster_state()).ledger == {"w": [("a", 2)]}
+
+    asyncio.run(scenario())
+
+
+def test_leftovers_of_a_lost_attempt_are_freed_never_attached_over(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 6, "b": 4})
+        a = servers.rmanagers["a"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _write_and_publish(m)  # w's 3 blocks on a, cached
+            a.attach("r", [0], [H[0]])  # "r" holds block 0 on a with no ledger entry (an attempt that was lost)
+            assert await m.prefix.match("r", H) == []  # refused there: the leftovers are freed, a miss
+            assert (a.owned_blocks("r"), a.pool.ref_count(0), (await m.cluster_state()).ledger) == (
+                [],
+                1,
+                {"w": [("a", 3)]},
+            )
+            assert await m.prefix.match("r", H) == [Grant("a", 3, (0, 1, 2))]  # and the next try hits
+            b = servers.rmanagers.pop("b")  # a live member that cannot be reached now
+            await m.ledger.swap(await m.ledger.read("r"), [("a", 3), ("b", 1)])  # r also held a block on b
+            with pytest.raises(Unavailable):
+                await m.prefix.match("r", H)  # a retry cannot free b's leftovers: nothing is attached again
+            assert [a.pool.ref_count(x) for x in (0, 1, 2)] == [1, 1, 1]  # a's part was freed first
+            servers.rmanagers["b"] = b
 
     asyncio.run(scenario())
