@@ -43,6 +43,13 @@ NodeName = Annotated[
         "Attention servers and compute instances with the same node name are each other's homes ('' = none).",
     ),
 ]
+PrefixCaching = Annotated[
+    bool,
+    typer.Option(
+        "--prefix-caching/--no-prefix-caching",
+        help="Share the KV of full rBlocks of identical prompt prefixes across the cluster (on by default).",
+    ),
+]
 
 
 def split_ids(values: list[str] | None, param_hint: str) -> tuple[str, ...]:
@@ -305,6 +312,7 @@ def serve_compute(
             envvar="INFINITE_LLM_MIGRATION_TOKENS_PER_STEP",
         ),
     ] = 16,
+    prefix_caching: PrefixCaching = True,
     shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
@@ -335,6 +343,7 @@ def serve_compute(
             node_name=node,
             advertise_host=advertise_host,
             migration_tokens_per_step=migration_tokens_per_step,
+            enable_prefix_caching=prefix_caching,
             shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:
@@ -465,6 +474,7 @@ def up(
         ),
     ] = None,
     insecure: Insecure = False,
+    prefix_caching: PrefixCaching = True,
 ) -> None:
     """Start etcd, the manager, attention servers, compute instances, the router and the gateway on loopback.
     Every gRPC port uses mTLS with certificates of a CA made for this mesh (printed: --tls-dir for clients)."""
@@ -482,6 +492,7 @@ def up(
         transport=_transport(transport),
         tls_dir=tls_dir,
         insecure=insecure,
+        prefix_caching=prefix_caching,
     )
     if insecure:
         load_cli_tls("client", None, insecure=True)  # says loudly that the mesh is plaintext

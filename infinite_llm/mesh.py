@@ -67,6 +67,7 @@ class MeshConfig:
     tls_dir: str | None = field(default_factory=lambda: os.environ.get(TLS_DIR_ENV) or None)  # None: make a CA
     insecure: bool = False  # plaintext gRPC everywhere (local experiments)
     shutdown_grace_s: float = SHUTDOWN_GRACE_S  # each service's --shutdown-grace (seconds)
+    prefix_caching: bool = True  # compute instances share prompt prefixes' rBlocks (--no-prefix-caching: off)
 
     def __post_init__(self) -> None:
         if self.attention_servers < 1 or self.compute_instances < 1:
@@ -239,6 +240,7 @@ class LocalMesh:
                 str(c.max_num_seqs),
                 "--max-waiting",
                 str(c.max_waiting),
+                "--prefix-caching" if c.prefix_caching else "--no-prefix-caching",
                 *home_args,
                 *self._model_args(),
             ],

@@ -276,6 +276,11 @@ class DistAttention:
         self._published[seq_id] = full
         return self.placement.publish(seq_id, [(i, known[i], table[i]) for i in range(done, full)])  # type: ignore[attr-defined]
 
+    def flush_published(self) -> int:
+        """Send what :meth:`cache_computed` queued (a placement that publishes once per step); returns how many."""
+        flush = getattr(self.placement, "flush_published", None)
+        return flush() if self.prefix_caching and flush is not None else 0
+
     def clear_prefix_cache(self) -> int:
         """Uncache every rBlock; those with no reader become free. Returns how many were cached."""
         return self.placement.clear_prefix_cache() if self.prefix_caching else 0  # type: ignore[attr-defined]

@@ -132,6 +132,7 @@ class RManager:
         self._versions: dict[str, int] = {}  # bumped when a sequence's blocks are freed: voids older plans
         self._block_of_hash: dict[BlockHash, int] = {}  # prefix cache: full rBlocks here, by hash
         self._hash_of_block: dict[int, BlockHash] = {}
+        self.on_uncache: Callable[[list[BlockHash]], None] | None = None  # told hashes evicted or cleared here
 
     # ---- ownership ---------------------------------------------------------------------------------
     def allocate(self, seq_id: str, block_indices: Sequence[int]) -> list[int]:
@@ -267,10 +268,11 @@ class RManager:
 
     def _forget_hashes(self, block_ids: list[int]) -> None:
         """The pool evicted (or uncached) these blocks: they leave the index in the same call."""
-        for b in block_ids:
-            h = self._hash_of_block.pop(b, None)
-            if h is not None:
-                del self._block_of_hash[h]
+        gone = [h for b in block_ids if (h := self._hash_of_block.pop(b, None)) is not None]
+        for h in gone:
+            del self._block_of_hash[h]
+        if gone and self.on_uncache is not None:
+            self.on_uncache(gone)
 
     # ---- attention ---------------------------------------------------------------------------------
     def plan_rows(self, seqs: Sequence[SeqStep]) -> PlanRows:

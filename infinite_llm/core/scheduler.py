@@ -257,6 +257,9 @@ class Scheduler:
             s.seq.num_computed_tokens += s.num_new
             if publish is not None and s.seq.num_computed_tokens // bs > s.num_computed_tokens // bs:
                 publish(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)  # the full rBlocks it completed
+        flush = getattr(self.blocks, "flush_published", None)
+        if flush is not None:
+            flush()  # a placement that batches publishing sends the step's full rBlocks now, before any free
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length, abort): free its rBlocks and drop it from the queues."""

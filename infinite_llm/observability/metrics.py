@@ -107,6 +107,7 @@ class AttentionMetrics:
             ("rblocks_free", "rBlocks on the free list", "num_free"),
             ("rblocks_reserved", "rBlocks reserved, not yet committed", "num_reserved"),
             ("rblock_sequences", "Sequences holding rBlocks here", "num_sequences"),
+            ("rblocks_cached", "rBlocks in the prefix cache (read or parked)", "num_cached"),
         ):
             g = Gauge(P + name, doc, ["server_id"], registry=registry)
             g.labels(**labels).set_function(lambda f=field: getattr(stats(), f))

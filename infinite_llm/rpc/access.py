@@ -40,7 +40,11 @@ def _roles(*names: str) -> frozenset[str]:
 
 
 ACCESS: Mapping[str, Access] = {
-    "infinite_llm.v1.AttentionServer": Access(_roles("manager", "compute")),
+    "infinite_llm.v1.AttentionServer": Access(
+        _roles("manager", "compute"),
+        # prefix caching: only the manager attaches or caches rBlocks, in step with its index and ledger
+        {"AttachBlocks": _roles("manager"), "CacheBlocks": _roles("manager")},
+    ),
     "infinite_llm.v1.GlobalManager": Access(
         _roles("compute"),  # Place, Release, the compute instances' own membership
         {

@@ -25,10 +25,10 @@ def cluster_state(manager_address: str, timeout_s: float = 5.0, tls: TlsArg = FR
 
 
 def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
-    """Servers (rBlocks used / free / capacity, sequences), compute instances (homes, batch, queue, tokens
-    held, debt) and every sequence's rBlocks per server."""
+    """Servers (rBlocks used / free / capacity, cached prefix rBlocks, sequences), compute instances (homes,
+    batch, queue, tokens held, debt) and every sequence's rBlocks per server."""
     servers = Table(title="attention servers")
-    for col in ("server", "address", "node", "used", "free", "capacity", "KV used", "sequences"):
+    for col in ("server", "address", "node", "used", "free", "capacity", "KV used", "cached", "sequences"):
         servers.add_column(col, justify="left" if col in ("server", "address", "node") else "right")
     for s in state.servers:
         pct = 100.0 * s.used_blocks / s.capacity_blocks if s.capacity_blocks else 0.0
@@ -40,11 +40,14 @@ def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
             str(s.free_blocks),
             str(s.capacity_blocks),
             f"{pct:.0f}%",
+            str(s.cached_blocks),
             str(s.num_sequences),
         )
     total = sum(s.capacity_blocks for s in state.servers)
     used = sum(s.used_blocks for s in state.servers)
-    servers.caption = f"cluster: {used}/{total} rBlocks used"
+    cached = sum(s.cached_blocks for s in state.servers)
+    # cached: rBlocks in the prefix-cache index; those no sequence reads count as free (evicted LRU first)
+    servers.caption = f"cluster: {used}/{total} rBlocks used, {cached} cached (shared prefixes)"
     console.print(servers)
     console.print(compute_table(state.compute_instances))
     ledger = Table(title="sequences (rBlocks per server)")

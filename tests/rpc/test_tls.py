@@ -76,6 +76,8 @@ SERVICES = {
         [
             (mgrpc.GlobalManagerStub, "Place", mpb.PlaceRequest(seq_id="s", num_blocks=1)),
             (mgrpc.GlobalManagerStub, "Release", mpb.ReleaseRequest(seq_id="victim")),
+            (mgrpc.GlobalManagerStub, "MatchPrefix", mpb.MatchPrefixRequest(seq_id="s")),
+            (mgrpc.GlobalManagerStub, "PublishPrefix", mpb.PublishPrefixRequest()),
         ],
         {"compute"},
     ),
@@ -153,6 +155,20 @@ def test_manager_rpcs_with_roles_of_their_own(servers, tls_dir, method, role):
     request, admitted = MANAGER_METHOD_ROLES[method]
     got = call(servers["manager"], mgrpc.GlobalManagerStub, method, request, load_tls_dir(tls_dir, role))
     assert got == (grpc.StatusCode.OK if role in admitted else grpc.StatusCode.PERMISSION_DENIED)
+
+
+ATTENTION_METHOD_ROLES = {  # prefix caching: only the manager attaches or caches rBlocks (in step with its index)
+    "AttachBlocks": apb.AttachBlocksRequest(seq_id="victim"),
+    "CacheBlocks": apb.CacheBlocksRequest(seq_id="victim"),
+}
+
+
+@pytest.mark.parametrize("method", sorted(ATTENTION_METHOD_ROLES))
+@pytest.mark.parametrize("role", ROLES)
+def test_only_the_manager_attaches_or_caches_rblocks(servers, tls_dir, method, role):
+    request = ATTENTION_METHOD_ROLES[method]
+    got = call(servers["attention"], agrpc.AttentionServerStub, method, request, load_tls_dir(tls_dir, role))
+    assert got == (grpc.StatusCode.OK if role == "manager" else grpc.StatusCode.PERMISSION_DENIED)
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -16,12 +16,14 @@ class ReserveBlocksRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveBlocksResponse(_message.Message):
-    __slots__ = ("reservation_id", "block_ids")
+    __slots__ = ("reservation_id", "block_ids", "uncached_hashes")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNCACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    uncached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, reservation_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., uncached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitBlocksRequest(_message.Message):
     __slots__ = ("reservation_id", "block_indices")
@@ -193,12 +195,46 @@ class ImportBlocksResponse(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class AttachBlocksRequest(_message.Message):
+    __slots__ = ("seq_id", "first_block_index", "block_hashes")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    first_block_index: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AttachBlocksResponse(_message.Message):
+    __slots__ = ("block_ids", "uncached_hashes")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNCACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    uncached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., uncached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CacheBlocksRequest(_message.Message):
+    __slots__ = ("seq_id", "block_indices", "block_hashes")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CacheBlocksResponse(_message.Message):
+    __slots__ = ("cached_hashes",)
+    CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    cached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, cached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("server_id", "layout", "num_blocks", "num_free", "num_used", "num_reserved", "num_sequences", "bytes_per_block", "capacity_bytes", "used_bytes")
+    __slots__ = ("server_id", "layout", "num_blocks", "num_free", "num_used", "num_reserved", "num_sequences", "bytes_per_block", "capacity_bytes", "used_bytes", "num_cached")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +245,7 @@ class GetStatsResponse(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     layout: _tensor_pb2.KVLayout
     num_blocks: int
@@ -219,4 +256,5 @@ class GetStatsResponse(_message.Message):
     bytes_per_block: int
     capacity_bytes: int
     used_bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., layout: _Optional[_Union[_tensor_pb2.KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_free: _Optional[int] = ..., num_used: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_sequences: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+    num_cached: int
+    def __init__(self, server_id: _Optional[str] = ..., layout: _Optional[_Union[_tensor_pb2.KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_free: _Optional[int] = ..., num_used: _Optional[int] = ..., num_reserved: _Optional[int] = ..., num_sequences: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_cached: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,16 @@ class AttentionServerStub:
                 request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.BlockTransferChunk.SerializeToString,
                 response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.ImportBlocksResponse.FromString,
                 _registered_method=True)
+        self.AttachBlocks = channel.unary_unary(
+                '/infinite_llm.v1.AttentionServer/AttachBlocks',
+                request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttachBlocksRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttachBlocksResponse.FromString,
+                _registered_method=True)
+        self.CacheBlocks = channel.unary_unary(
+                '/infinite_llm.v1.AttentionServer/CacheBlocks',
+                request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/infinite_llm.v1.AttentionServer/GetStats',
                 request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.GetStatsRequest.SerializeToString,
@@ -158,6 +168,23 @@ class AttentionServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachBlocks(self, request, context):
+        """Prefix caching (issue 13), for the manager: attach the longest prefix of `block_hashes` cached here to a
+        sequence at logical indices first_block_index.. (one reader more each; they are read, never written).
+        Fewer (or none) come back when a hash was evicted meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CacheBlocks(self, request, context):
+        """Mark full rBlocks of a sequence cached under their hashes: read only from now on, and parked (still
+        counted free, evicted least recently used first) when their last reader frees them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Capacity and occupancy, in rBlocks and bytes.
         """
@@ -212,6 +239,16 @@ def add_AttentionServerServicer_to_server(servicer, server):
                     servicer.ImportBlocks,
                     request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.BlockTransferChunk.FromString,
                     response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.ImportBlocksResponse.SerializeToString,
+            ),
+            'AttachBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachBlocks,
+                    request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttachBlocksRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.AttachBlocksResponse.SerializeToString,
+            ),
+            'CacheBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheBlocks,
+                    request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -462,6 +499,60 @@ class AttentionServer:
             '/infinite_llm.v1.AttentionServer/ImportBlocks',
             infinite__llm_dot_v1_dot_attention__server__pb2.BlockTransferChunk.SerializeToString,
             infinite__llm_dot_v1_dot_attention__server__pb2.ImportBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.AttentionServer/AttachBlocks',
+            infinite__llm_dot_v1_dot_attention__server__pb2.AttachBlocksRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_attention__server__pb2.AttachBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.AttentionServer/CacheBlocks',
+            infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

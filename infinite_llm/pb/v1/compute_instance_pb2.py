@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from infinite_llm.pb.v1 import generate_pb2 as infinite__llm_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&infinite_llm/v1/compute_instance.proto\x12\x0finfinite_llm.v1\x1a\x1einfinite_llm/v1/generate.proto\"\x15\n\x13\x43omputeStatsRequest\"\xdd\x02\n\x14\x43omputeStatsResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x03\x12\r\n\x05model\x18\x06 \x01(\t\x12\x19\n\x11layer_rpc_seconds\x18\x07 \x01(\x01\x12\x17\n\x0flayer_rpc_count\x18\x08 \x01(\x03\x12W\n\x12server_rpc_seconds\x18\t \x03(\x0b\x32;.infinite_llm.v1.ComputeStatsResponse.ServerRpcSecondsEntry\x1a\x37\n\x15ServerRpcSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x85\x02\n\x0f\x43omputeInstance\x12Q\n\x08Generate\x12 .infinite_llm.v1.GenerateRequest\x1a!.infinite_llm.v1.GenerateResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.infinite_llm.v1.AbortRequest\x1a\x1e.infinite_llm.v1.AbortResponse\x12W\n\x08GetStats\x12$.infinite_llm.v1.ComputeStatsRequest\x1a%.infinite_llm.v1.ComputeStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&infinite_llm/v1/compute_instance.proto\x12\x0finfinite_llm.v1\x1a\x1einfinite_llm/v1/generate.proto\"\x15\n\x13\x43omputeStatsRequest\"\x96\x03\n\x14\x43omputeStatsResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x03\x12\r\n\x05model\x18\x06 \x01(\t\x12\x19\n\x11layer_rpc_seconds\x18\x07 \x01(\x01\x12\x17\n\x0flayer_rpc_count\x18\x08 \x01(\x03\x12W\n\x12server_rpc_seconds\x18\t \x03(\x0b\x32;.infinite_llm.v1.ComputeStatsResponse.ServerRpcSecondsEntry\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x03\x1a\x37\n\x15ServerRpcSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x85\x02\n\x0f\x43omputeInstance\x12Q\n\x08Generate\x12 .infinite_llm.v1.GenerateRequest\x1a!.infinite_llm.v1.GenerateResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.infinite_llm.v1.AbortRequest\x1a\x1e.infinite_llm.v1.AbortResponse\x12W\n\x08GetStats\x12$.infinite_llm.v1.ComputeStatsRequest\x1a%.infinite_llm.v1.ComputeStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPUTESTATSREQUEST']._serialized_start=91
   _globals['_COMPUTESTATSREQUEST']._serialized_end=112
   _globals['_COMPUTESTATSRESPONSE']._serialized_start=115
-  _globals['_COMPUTESTATSRESPONSE']._serialized_end=464
-  _globals['_COMPUTESTATSRESPONSE_SERVERRPCSECONDSENTRY']._serialized_start=409
-  _globals['_COMPUTESTATSRESPONSE_SERVERRPCSECONDSENTRY']._serialized_end=464
-  _globals['_COMPUTEINSTANCE']._serialized_start=467
-  _globals['_COMPUTEINSTANCE']._serialized_end=728
+  _globals['_COMPUTESTATSRESPONSE']._serialized_end=521
+  _globals['_COMPUTESTATSRESPONSE_SERVERRPCSECONDSENTRY']._serialized_start=466
+  _globals['_COMPUTESTATSRESPONSE_SERVERRPCSECONDSENTRY']._serialized_end=521
+  _globals['_COMPUTEINSTANCE']._serialized_start=524
+  _globals['_COMPUTEINSTANCE']._serialized_end=785
 # @@protoc_insertion_point(module_scope)

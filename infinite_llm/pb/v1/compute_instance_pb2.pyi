@@ -12,7 +12,7 @@ class ComputeStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ComputeStatsResponse(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "num_preemptions", "generated_tokens", "model", "layer_rpc_seconds", "layer_rpc_count", "server_rpc_seconds")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "num_preemptions", "generated_tokens", "model", "layer_rpc_seconds", "layer_rpc_count", "server_rpc_seconds", "prefix_cache_queries", "prefix_cache_hits")
     class ServerRpcSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class ComputeStatsResponse(_message.Message):
     LAYER_RPC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAYER_RPC_COUNT_FIELD_NUMBER: _ClassVar[int]
     SERVER_RPC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -38,4 +40,6 @@ class ComputeStatsResponse(_message.Message):
     layer_rpc_seconds: float
     layer_rpc_count: int
     server_rpc_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., model: _Optional[str] = ..., layer_rpc_seconds: _Optional[float] = ..., layer_rpc_count: _Optional[int] = ..., server_rpc_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., model: _Optional[str] = ..., layer_rpc_seconds: _Optional[float] = ..., layer_rpc_count: _Optional[int] = ..., server_rpc_seconds: _Optional[_Mapping[str, float]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...

@@ -102,12 +102,54 @@ class ReleaseResponse(_message.Message):
     num_freed: int
     def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
 
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("seq_id", "block_hashes", "block_size", "instance_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    instance_id: str
+    def __init__(self, seq_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("grants",)
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
+    def __init__(self, grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ...) -> None: ...
+
+class PrefixBlock(_message.Message):
+    __slots__ = ("seq_id", "block_index", "block_hash", "server_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    block_index: int
+    block_hash: bytes
+    server_id: str
+    def __init__(self, seq_id: _Optional[str] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., server_id: _Optional[str] = ...) -> None: ...
+
+class PublishPrefixRequest(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[PrefixBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[PrefixBlock, _Mapping]]] = ...) -> None: ...
+
+class PublishPrefixResponse(_message.Message):
+    __slots__ = ("num_indexed",)
+    NUM_INDEXED_FIELD_NUMBER: _ClassVar[int]
+    num_indexed: int
+    def __init__(self, num_indexed: _Optional[int] = ...) -> None: ...
+
 class ClusterStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerState(_message.Message):
-    __slots__ = ("server_id", "address", "capacity_blocks", "free_blocks", "used_blocks", "num_sequences", "block_size", "node_name")
+    __slots__ = ("server_id", "address", "capacity_blocks", "free_blocks", "used_blocks", "num_sequences", "block_size", "node_name", "cached_blocks")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +158,7 @@ class ServerState(_message.Message):
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     address: str
     capacity_blocks: int
@@ -124,7 +167,8 @@ class ServerState(_message.Message):
     num_sequences: int
     block_size: int
     node_name: str
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., node_name: _Optional[str] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., node_name: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
     __slots__ = ("seq_id", "shares", "instance_id")

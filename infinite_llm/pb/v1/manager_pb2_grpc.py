@@ -59,6 +59,16 @@ class GlobalManagerStub:
                 request_serializer=infinite__llm_dot_v1_dot_manager__pb2.ClusterStateRequest.SerializeToString,
                 response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.ClusterStateResponse.FromString,
                 _registered_method=True)
+        self.MatchPrefix = channel.unary_unary(
+                '/infinite_llm.v1.GlobalManager/MatchPrefix',
+                request_serializer=infinite__llm_dot_v1_dot_manager__pb2.MatchPrefixRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.MatchPrefixResponse.FromString,
+                _registered_method=True)
+        self.PublishPrefix = channel.unary_unary(
+                '/infinite_llm.v1.GlobalManager/PublishPrefix',
+                request_serializer=infinite__llm_dot_v1_dot_manager__pb2.PublishPrefixRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.PublishPrefixResponse.FromString,
+                _registered_method=True)
         self.RegisterCompute = channel.unary_unary(
                 '/infinite_llm.v1.GlobalManager/RegisterCompute',
                 request_serializer=infinite__llm_dot_v1_dot_manager__pb2.RegisterComputeRequest.SerializeToString,
@@ -120,6 +130,26 @@ class GlobalManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MatchPrefix(self, request, context):
+        """Prefix caching (issue 13): start a new sequence's block table with the longest prefix of `block_hashes`
+        that the cluster's index holds on live servers. The cached rBlocks are attached to the sequence on their
+        servers (one reader more each, logical indices 0..) and counted in its ledger entry in one fenced
+        transaction; a hash a server evicted meanwhile ends the prefix there (and leaves the index). An empty
+        reply is a miss. A retried call (its reply was lost) first frees what the earlier one attached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishPrefix(self, request, context):
+        """Index full rBlocks a step completed, so any compute instance may attach them: the servers mark them
+        cached (read only from now on) and the index records hash -> server in one fenced transaction. A hash
+        already indexed is skipped (one copy per hash in the cluster).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterCompute(self, request, context):
         """A compute instance joins under its own lease (kept alive by HeartbeatCompute) and names its home
         attention servers. INVALID_ARGUMENT for a bad id, address or home id; UNAVAILABLE on a follower.
@@ -177,6 +207,16 @@ def add_GlobalManagerServicer_to_server(servicer, server):
                     servicer.GetClusterState,
                     request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.ClusterStateRequest.FromString,
                     response_serializer=infinite__llm_dot_v1_dot_manager__pb2.ClusterStateResponse.SerializeToString,
+            ),
+            'MatchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefix,
+                    request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.MatchPrefixRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_manager__pb2.MatchPrefixResponse.SerializeToString,
+            ),
+            'PublishPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishPrefix,
+                    request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.PublishPrefixRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_manager__pb2.PublishPrefixResponse.SerializeToString,
             ),
             'RegisterCompute': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterCompute,
@@ -334,6 +374,60 @@ class GlobalManager:
             '/infinite_llm.v1.GlobalManager/GetClusterState',
             infinite__llm_dot_v1_dot_manager__pb2.ClusterStateRequest.SerializeToString,
             infinite__llm_dot_v1_dot_manager__pb2.ClusterStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.GlobalManager/MatchPrefix',
+            infinite__llm_dot_v1_dot_manager__pb2.MatchPrefixRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_manager__pb2.MatchPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.GlobalManager/PublishPrefix',
+            infinite__llm_dot_v1_dot_manager__pb2.PublishPrefixRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_manager__pb2.PublishPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,7 @@ import torch
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import InvalidRequest, NotFound
 from infinite_llm.core.ids import check_id
+from infinite_llm.core.prefix_cache import HASH_BYTES, BlockHash
 from infinite_llm.core.rmanager import KVLayout, RManager, SeqStep
 from infinite_llm.services.attention.types import HolderStats, ServerStep
 from infinite_llm.services.attention.validation import (
@@ -26,6 +27,9 @@ from infinite_llm.services.attention.validation import (
 )
 
 RESERVATION_TTL_S = 60.0  # an uncommitted reservation older than this was orphaned (seconds)
+# Uncached hashes kept for the manager's next reserve or attach; past this the oldest are dropped (the index
+# then keeps a stale entry, which costs one miss: an attach checks this server's own map).
+MAX_UNCACHED_KEPT = 1 << 16
 
 
 class ServedRManager:
@@ -47,6 +51,8 @@ class ServedRManager:
         self._reserved_at: dict[int, float] = {}
         self.reservation_ttl_s = reservation_ttl_s
         self._clock = clock
+        self._uncached: list[BlockHash] = []  # left the prefix cache since the manager was last told
+        rmanager.on_uncache = self._note_uncached
 
     @classmethod
     def with_capacity(cls, kv_memory_bytes: int, layout: KVLayout, device: str = "cpu") -> ServedRManager:
@@ -126,6 +132,45 @@ class ServedRManager:
         except KeyError:
             raise NotFound(f"no reservation {reservation_id}") from None
 
+    # ---- prefix cache (issue 13) ----------------------------------------------------------------------
+    def attach_prefix(self, seq_id: str, first_index: int, hashes: list[BlockHash]) -> list[int]:
+        """Attach the longest prefix of ``hashes`` cached here to ``seq_id`` at logical indices
+        ``first_index ..`` (one reader more each: a parked rBlock is revived, never evicted while read).
+        Returns their block ids, in order; fewer than ``hashes`` (maybe none) when one was evicted.
+        Raises ``InvalidRequest`` for a malformed id or hash, or an index ``seq_id`` already holds here."""
+        check_id("seq_id", seq_id)
+        _check_hashes(hashes)
+        if first_index < 0:
+            raise InvalidRequest(f"first_block_index must be >= 0, got {first_index}")
+        n = 0
+        while n < len(hashes) and self.rm.cached_block(hashes[n]) is not None:
+            n += 1
+        if n == 0:
+            return []
+        return self.rm.attach(seq_id, list(range(first_index, first_index + n)), hashes[:n])
+
+    def cache_blocks(self, seq_id: str, block_indices: list[int], hashes: list[BlockHash]) -> list[BlockHash]:
+        """Mark ``seq_id``'s full rBlocks at ``block_indices`` cached under ``hashes`` (one each); returns
+        the hashes newly cached here. Raises ``InvalidRequest`` (nothing changes) for a malformed request or
+        an index not held here."""
+        check_id("seq_id", seq_id)
+        _check_hashes(hashes)
+        if len(block_indices) != len(hashes):
+            raise InvalidRequest(f"{len(block_indices)} block indices for {len(hashes)} hashes")
+        known = {h for h in hashes if self.rm.cached_block(h) is not None}
+        self.rm.cache_blocks(seq_id, list(zip(block_indices, hashes, strict=True)))
+        return [h for h in dict.fromkeys(hashes) if h not in known and self.rm.cached_block(h) is not None]
+
+    def take_uncached(self) -> list[BlockHash]:
+        """Hashes that left this server's prefix cache since the last call (the manager unindexes them)."""
+        out, self._uncached = self._uncached, []
+        return out
+
+    def _note_uncached(self, hashes: list[BlockHash]) -> None:
+        self._uncached.extend(hashes)
+        if len(self._uncached) > MAX_UNCACHED_KEPT:
+            del self._uncached[: len(self._uncached) - MAX_UNCACHED_KEPT]
+
     # ---- attention -----------------------------------------------------------------------------------
     def open_step(self, seqs: list[SeqStep], num_heads: int) -> ServerStep:
         """Plan a step once from ``(seq_id, num_computed_tokens, num_new)`` per sequence; changes nothing."""
@@ -204,6 +249,7 @@ class ServedRManager:
             num_reserved=pool.num_reserved,
             num_sequences=sum(1 for s in self.rm.sequences() if self.rm.owned_blocks(s)),
             bytes_per_block=self.layout.bytes_per_block,
+            num_cached=pool.num_cached,
         )
 
     def occupancy(self) -> tuple[dict[str, int], dict[str, int]]:
@@ -224,3 +270,9 @@ class ServedRManager:
             self.cancel(reservation_id)
         self.rm.clear_cache()  # cached prefixes too: the cluster's index no longer points here
         return freed
+
+
+def _check_hashes(hashes: list[BlockHash]) -> None:
+    bad = [i for i, h in enumerate(hashes) if len(h) != HASH_BYTES]
+    if bad:
+        raise InvalidRequest(f"block hashes must be {HASH_BYTES} bytes; those at {bad[:8]} are not")

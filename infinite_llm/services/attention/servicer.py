@@ -75,8 +75,26 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
 
     # ---- placement -----------------------------------------------------------------------------------
     async def ReserveBlocks(self, request: pb.ReserveBlocksRequest, context) -> pb.ReserveBlocksResponse:
-        r = await self._run(self.holder.reserve, request.seq_id, request.num_blocks)
-        return pb.ReserveBlocksResponse(reservation_id=r.reservation_id, block_ids=r.block_ids)
+        r, uncached = await self._run(self._reserve, request.seq_id, request.num_blocks)
+        return pb.ReserveBlocksResponse(
+            reservation_id=r.reservation_id, block_ids=r.block_ids, uncached_hashes=uncached
+        )
+
+    def _reserve(self, seq_id: str, num_blocks: int) -> tuple[Reservation, list[bytes]]:
+        """Reserve, and the hashes that left the prefix cache (a reservation may evict parked rBlocks)."""
+        return self.holder.reserve(seq_id, num_blocks), self.holder.take_uncached()
+
+    async def AttachBlocks(self, request: pb.AttachBlocksRequest, context) -> pb.AttachBlocksResponse:
+        args = (request.seq_id, request.first_block_index, list(request.block_hashes))
+        ids, uncached = await self._run(self._attach, *args)
+        return pb.AttachBlocksResponse(block_ids=ids, uncached_hashes=uncached)
+
+    def _attach(self, seq_id: str, first_index: int, hashes: list[bytes]) -> tuple[list[int], list[bytes]]:
+        return self.holder.attach_prefix(seq_id, first_index, hashes), self.holder.take_uncached()
+
+    async def CacheBlocks(self, request: pb.CacheBlocksRequest, context) -> pb.CacheBlocksResponse:
+        args = (request.seq_id, list(request.block_indices), list(request.block_hashes))
+        return pb.CacheBlocksResponse(cached_hashes=await self._run(self.holder.cache_blocks, *args))
 
     async def CommitBlocks(self, request: pb.CommitBlocksRequest, context) -> pb.CommitBlocksResponse:
         seq_id, ids = await self._run(self.holder.commit, request.reservation_id, list(request.block_indices))
@@ -114,6 +132,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
             bytes_per_block=s.bytes_per_block,
             capacity_bytes=s.capacity_bytes,
             used_bytes=s.used_bytes,
+            num_cached=s.num_cached,
         )
 
     # ---- attention -----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ class HolderStats:
     num_reserved: int
     num_sequences: int
     bytes_per_block: int
+    num_cached: int = 0  # rBlocks in the prefix cache (read or parked; parked ones count in num_free)
 
     @property
     def capacity_bytes(self) -> int:

@@ -12,6 +12,12 @@ sees the rBlock twice or not at all: the old copy serves every step until the fl
 leaves the source authoritative for what did not move (a committed copy whose source could not be freed is
 freed on the destination instead); the manager settles the rest from the :class:`MigrationResult` (sent
 with the next heartbeat).
+
+Shared rBlocks (prefix caching, issue 13) move as one reader's reference: the moved copy on the destination
+is private to this sequence, and freeing the source index drops only this sequence's reference; the other
+readers keep reading the cached source block (its reference count keeps it alive; unread, it is parked and
+evictable like any cached block). So no other reader's block table changes and no block is freed while read;
+the cost is that a block several sequences read does not leave the source until all of them moved.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import tenacity
 from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.core.dist_attention import BlockId, BlockRef, DistAttention, HolderId
 from infinite_llm.core.errors import CapacityExhausted, FailedPrecondition, InvalidRequest, Unavailable
+from infinite_llm.core.prefix_cache import BlockHash
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
@@ -54,6 +55,8 @@ class ManagerPlacement:
         self._addresses: dict[HolderId, str] = {}
         self._lock = threading.Lock()
         self._capacity = (0, 0, 0.0)  # (total, free, read at monotonic time)
+        self._cached_blocks = 0  # rBlocks in the cluster's prefix index, at the last capacity read
+        self._to_publish: list[mpb.PrefixBlock] = []  # full rBlocks of this step, sent by flush_published
         self._held: set[str] = set()
         self._away_until = 0.0  # monotonic time until which the manager counts as away (no new retries)
         self._servers: dict[str, agrpc.AttentionServerStub] = {}
@@ -109,6 +112,7 @@ class ManagerPlacement:
             total = sum(s.capacity_blocks for s in state.servers)
             free = sum(s.free_blocks for s in state.servers)
             self._capacity = (total, free, time.monotonic())
+            self._cached_blocks = sum(s.cached_blocks for s in state.servers)
         return total, free
 
     @property
@@ -157,6 +161,73 @@ class ManagerPlacement:
         if len(refs) != n:
             raise CapacityExhausted(f"manager placed {len(refs)} rBlocks for {seq_id!r}, not {n}")
         return refs
+
+    # ---- prefix cache (issue 13): the cluster's index lives in the manager ---------------------------
+    def match_prefix(self, seq_id: str, hashes: Sequence[BlockHash]) -> list[BlockRef]:
+        """The longest prefix of ``hashes`` (32-byte block hashes of a new sequence's prompt) cached anywhere
+        in the cluster, attached to ``seq_id`` at logical indices ``0..`` on the servers that hold it (the
+        manager records them in the sequence's ledger entry); ``[]`` on a miss.
+
+        Raises ``Unavailable`` when the manager stays unreachable (the scheduler retries the sequence next
+        step; the manager frees what a lost attempt attached), other typed errors as ``place``.
+        """
+        if time.monotonic() < self._away_until:
+            raise Unavailable("the global manager is unreachable; placement is retried shortly")
+        request = mpb.MatchPrefixRequest(
+            seq_id=seq_id, block_hashes=hashes, block_size=self.block_size, instance_id=self.instance_id
+        )
+        with self._lock:
+            had = seq_id in self._held
+            self._held.add(seq_id)  # listed before its ledger entry can exist
+        try:
+            reply = self._call_manager("MatchPrefix", request)
+        except grpc.RpcError as e:
+            if not had:
+                with self._lock:
+                    self._held.discard(seq_id)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._away_until = time.monotonic() + PLACE_RETRY_S
+            raise error_from_rpc(e) from None
+        refs = []
+        with self._lock:
+            for g in reply.grants:
+                self._addresses[HolderId(g.server_id)] = g.address
+                refs.extend(BlockRef(HolderId(g.server_id), BlockId(int(b))) for b in g.block_ids)
+            if not refs and not had:
+                self._held.discard(seq_id)  # a miss leaves no ledger entry
+        return refs
+
+    def publish(self, seq_id: str, blocks: Sequence[tuple[int, BlockHash, BlockRef]]) -> int:
+        """Queue full rBlocks of ``seq_id`` (``(logical index, hash, where)``) for the index; they go to the
+        manager in one ``PublishPrefix`` per step (:meth:`flush_published`). Returns 0 (counted at flush)."""
+        self._to_publish.extend(
+            mpb.PrefixBlock(seq_id=seq_id, block_index=i, block_hash=h, server_id=ref.holder) for i, h, ref in blocks
+        )
+        return 0
+
+    def flush_published(self) -> int:
+        """Send the queued rBlocks (engine thread, after the step that completed them and before the next
+        one is scheduled, so none was freed or re-placed meanwhile); returns how many the index took. A
+        failure is logged and dropped: those blocks are just not shared."""
+        blocks, self._to_publish = self._to_publish, []
+        if not blocks or time.monotonic() < self._away_until:
+            return 0
+        try:
+            reply = self._manager.PublishPrefix(mpb.PublishPrefixRequest(blocks=blocks), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            log.warning("publishing %d cached rBlocks failed: %s", len(blocks), e.details())
+            return 0
+        return reply.num_indexed
+
+    def clear_prefix_cache(self) -> int:
+        """A compute instance does not clear the cluster's cache (other instances read it): 0."""
+        return 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """rBlocks in the cluster's prefix index (at most ``CAPACITY_REFRESH_S`` old)."""
+        self._cluster()
+        return self._cached_blocks
 
     def release(self, seq_id: str, holders: Sequence[HolderId]) -> int:
         """The manager frees the sequence's rBlocks on its servers and drops its ledger entry.
@@ -215,13 +286,16 @@ def remote_dist_attention(
     transport: str = "grpc",
     on_rpc: Callable[[str, float], None] | None = None,
     instance_id: str = "",
+    prefix_cache_model_id: str | None = None,
 ) -> DistAttention:
     """DistAttention of a compute instance: placement by the manager, steps over ``transport``.
 
     ``transport`` ``"torch"`` sends the tensors over torch.distributed (gloo on CPU, NCCL between GPUs) and
     falls back to gRPC per server, logging the reason once, where a process group cannot form.
     ``on_rpc(server_id, seconds)`` is told how long each server took per layer (metrics). ``instance_id``
-    names the instance in its placements (the ledger's owner of its sequences).
+    names the instance in its placements (the ledger's owner of its sequences). ``prefix_cache_model_id``:
+    the model's identity in the cluster's prefix-cache hashes (every instance serving the same weights must
+    use the same one); ``None`` turns prefix caching off.
     """
     from infinite_llm.kernels import merge_partials
     from infinite_llm.services.compute.grpc_transport import GrpcTransport
@@ -235,4 +309,4 @@ def remote_dist_attention(
         carrier = TorchTransport(placement.address_of, device, timeout_s, on_rpc)
     else:
         carrier = GrpcTransport(placement.address_of, timeout_s, on_rpc)
-    return DistAttention(placement, carrier, block_size, device, merge_partials)
+    return DistAttention(placement, carrier, block_size, device, merge_partials, prefix_cache_model_id)

@@ -58,6 +58,7 @@ class ComputeConfig:
     node_name: str = ""  # this instance's node: attention servers registered with it are homes too
     advertise_host: str = ""  # host the router reaches this instance at (default: host)
     migration_tokens_per_step: int = 16  # KV tokens a live migration moves between two steps (0 = refuse orders)
+    enable_prefix_caching: bool = True  # share full prompt rBlocks across the cluster (--no-prefix-caching: off)
     shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, requests in flight get this long (seconds)
 
     def __post_init__(self) -> None:
@@ -85,6 +86,7 @@ def build_engine(
 
     resolved = resolve_model(config.model)
     model_config, state_dict, tokenizer = load_model_files(resolved, config.dtype)
+    model_id = prefix_cache_model_id(resolved.name, config.dtype) if config.enable_prefix_caching else None
     kv = remote_dist_attention(
         config.manager_address,
         config.block_size,
@@ -93,6 +95,7 @@ def build_engine(
         transport=config.transport,
         on_rpc=on_rpc,
         instance_id=config.instance_id,
+        prefix_cache_model_id=model_id,
     )
     kv.placement.check_cluster()
     engine_config = EngineConfig(
@@ -104,6 +107,12 @@ def build_engine(
     )
     engine = LLMEngine.from_weights(model_config, state_dict, tokenizer, engine_config, kv=kv)
     return engine, kv, resolved.name
+
+
+def prefix_cache_model_id(model_name: str, dtype: torch.dtype) -> str:
+    """The model's identity in the cluster's prefix-cache block hashes: instances serving the same weights in
+    the same dtype share cached rBlocks; any other pair never does (their KV differs)."""
+    return f"{model_name}:{str(dtype).removeprefix('torch.')}"
 
 
 async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> None:

@@ -73,4 +73,6 @@ class ComputeInstanceServicer(cgrpc.ComputeInstanceServicer):
             layer_rpc_seconds=getattr(self.kv, "fan_out_seconds", 0.0),
             layer_rpc_count=getattr(self.kv, "fan_out_count", 0),
             server_rpc_seconds=dict(getattr(self.kv, "rpc_seconds", {})),
+            prefix_cache_queries=getattr(self.kv, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(self.kv, "prefix_cache_hits", 0),
         )

@@ -26,6 +26,8 @@ class GrpcBlockServers:
 
     def __init__(self, address_of: Callable[[str], str | None]) -> None:
         self._address_of = address_of
+        # Told ``(server_id, hashes)`` a server reports gone from its prefix cache (in reserve replies).
+        self.on_uncached: Callable[[str, list[bytes]], None] | None = None
         self._stubs: dict[str, tuple[str, agrpc.AttentionServerStub]] = {}
 
     def _stub(self, server_id: str) -> agrpc.AttentionServerStub:
@@ -40,6 +42,8 @@ class GrpcBlockServers:
 
     async def reserve(self, server_id: str, seq_id: str, n: int) -> Reservation:
         reply = await self._call(server_id, "ReserveBlocks", apb.ReserveBlocksRequest(seq_id=seq_id, num_blocks=n))
+        if reply.uncached_hashes and self.on_uncached is not None:
+            self.on_uncached(server_id, list(reply.uncached_hashes))
         return Reservation(reply.reservation_id, tuple(reply.block_ids))
 
     async def commit(self, server_id: str, reservation_id: int, block_indices: list[int]) -> list[int]:
@@ -56,6 +60,17 @@ class GrpcBlockServers:
     async def truncate(self, server_id: str, seq_id: str, first_index: int) -> int:
         request = apb.FreeSequenceRequest(seq_id=seq_id, from_block_index=first_index)
         return (await self._call(server_id, "FreeSequence", request)).num_held
+
+    async def attach(
+        self, server_id: str, seq_id: str, first_index: int, hashes: list[bytes]
+    ) -> tuple[list[int], list[bytes]]:
+        request = apb.AttachBlocksRequest(seq_id=seq_id, first_block_index=first_index, block_hashes=hashes)
+        reply = await self._call(server_id, "AttachBlocks", request)
+        return list(reply.block_ids), list(reply.uncached_hashes)
+
+    async def cache(self, server_id: str, seq_id: str, block_indices: list[int], hashes: list[bytes]) -> list[bytes]:
+        request = apb.CacheBlocksRequest(seq_id=seq_id, block_indices=block_indices, block_hashes=hashes)
+        return list((await self._call(server_id, "CacheBlocks", request)).cached_hashes)
 
     async def _call(self, server_id: str, method: str, request):  # noqa: ANN001, ANN202
         try:

@@ -1,6 +1,6 @@
 """In-process :class:`BlockServers` over :class:`RManager` objects (single-process meshes and tests).
 
-The gRPC attention-server client implements the same four calls remotely; this one runs them on rManagers
+The gRPC attention-server client implements the same calls remotely; this one runs them on rManagers
 in this process, so the bookkeeping the manager relies on is the real one.
 """
 
@@ -45,3 +45,20 @@ class LocalServers:
         if beyond:
             rm.free_blocks(seq_id, beyond)
         return len(rm.owned_blocks(seq_id))
+
+    async def attach(
+        self, server_id: str, seq_id: str, first_index: int, hashes: list[bytes]
+    ) -> tuple[list[int], list[bytes]]:
+        """The longest prefix of ``hashes`` cached on the server, attached to ``seq_id`` at ``first_index ..``."""
+        rm = self._get(server_id)
+        n = 0
+        while n < len(hashes) and rm.cached_block(hashes[n]) is not None:
+            n += 1
+        return (rm.attach(seq_id, list(range(first_index, first_index + n)), hashes[:n]) if n else []), []
+
+    async def cache(self, server_id: str, seq_id: str, block_indices: list[int], hashes: list[bytes]) -> list[bytes]:
+        """Mark ``seq_id``'s rBlocks at ``block_indices`` cached; returns the hashes newly cached."""
+        rm = self._get(server_id)
+        known = {h for h in hashes if rm.cached_block(h) is not None}
+        rm.cache_blocks(seq_id, list(zip(block_indices, hashes, strict=True)))
+        return [h for h in dict.fromkeys(hashes) if h not in known and rm.cached_block(h) is not None]

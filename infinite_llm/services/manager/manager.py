@@ -31,6 +31,7 @@ from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
 from infinite_llm.services.manager.membership import Membership, Registration
 from infinite_llm.services.manager.migrations import Migrations
 from infinite_llm.services.manager.placement import BlockServers, Held, cancel_held, reserve_placement
+from infinite_llm.services.manager.prefix import PrefixCaching
 from infinite_llm.services.manager.rebalance import Rebalancer
 from infinite_llm.services.manager.records import (
     ClusterState,
@@ -83,11 +84,14 @@ class GlobalManager:
         self.leadership = Leadership(store, config.manager_id, config.leader_ttl_s)
         self.ledger = Ledger(store, self.leadership, config.max_txn_attempts)
         self._placed: dict[str, int] = {}  # rBlocks the ledger places per server
-        self.membership = Membership(store, self.leadership, self.view, lambda s: self._placed.get(s, 0))
+        self.membership = Membership(
+            store, self.leadership, self.view, lambda s: self._placed.get(s, 0), lambda s: self.prefix.server_gone(s)
+        )
         self.computes = ComputeInstances(store, self.leadership)
         self.migrations = Migrations(servers, self.ledger, self.view, self.address_of, config.max_txn_attempts)
         self.rebalancer = Rebalancer(self)
         self._placing = KeyedLocks()  # one Place of a sequence at a time (a retry waits for the first)
+        self.prefix = PrefixCaching(self, store)  # the cluster's prefix cache (MatchPrefix / PublishPrefix)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:
@@ -102,6 +106,7 @@ class GlobalManager:
         await self.computes.start()
         if acquire_timeout_s is None:
             await self.leadership.campaign()
+            await self.prefix.index.load()
         else:
             await self.acquire_leadership(acquire_timeout_s)
 
@@ -109,6 +114,7 @@ class GlobalManager:
         """Become leader within ``timeout_s`` seconds, then reload what the previous leader placed."""
         await self.leadership.acquire(timeout_s)
         await self._load_placed()
+        await self.prefix.index.load()
         for member in self.membership.members():
             self.view.add(
                 member.info.server_id, member.info.capacity_blocks, self._placed.get(member.info.server_id, 0)

@@ -193,14 +193,24 @@ class Membership(LeasedMembers[MemberInfo]):
         store, leadership: etcd and the fence for writes.
         view: the capacity view to keep in step (members added / removed).
         placed_blocks: rBlocks the ledger places on a server (a member enters the view with the rest free).
+        on_gone: told of a server whose key vanished (lease expired, deregistered), after the view forgot it.
     """
 
     def __init__(
-        self, store: EtcdStore, leadership: Leadership, view: CapacityView, placed_blocks: Callable[[str], int]
+        self,
+        store: EtcdStore,
+        leadership: Leadership,
+        view: CapacityView,
+        placed_blocks: Callable[[str], int],
+        on_gone: Callable[[str], None] = lambda _id: None,
     ) -> None:
         def added(server_id: str, info: MemberInfo) -> None:
             view.add(server_id, info.capacity_blocks, placed_blocks(server_id))
             log.info("member %s at %s: %d rBlocks", server_id, info.address, info.capacity_blocks)
+
+        def gone(server_id: str) -> None:
+            view.remove(server_id)
+            on_gone(server_id)
 
         super().__init__(
             store,
@@ -210,5 +220,5 @@ class Membership(LeasedMembers[MemberInfo]):
             lambda info: info.server_id,
             MemberInfo.from_json,
             added,
-            view.remove,
+            gone,
         )

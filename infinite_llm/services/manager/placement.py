@@ -42,6 +42,17 @@ class BlockServers(Protocol):
         its rBlocks the server still holds."""
         ...
 
+    async def attach(
+        self, server_id: str, seq_id: str, first_index: int, hashes: list[bytes]
+    ) -> tuple[list[int], list[bytes]]:
+        """Prefix caching: attach the longest prefix of ``hashes`` cached on the server to ``seq_id`` at
+        logical ``first_index ..``; returns ``(block ids, hashes the server uncached since it last said)``."""
+        ...
+
+    async def cache(self, server_id: str, seq_id: str, block_indices: list[int], hashes: list[bytes]) -> list[bytes]:
+        """Prefix caching: mark ``seq_id``'s rBlocks at ``block_indices`` cached; returns the hashes newly cached."""
+        ...
+
 
 @dataclass(frozen=True)
 class Held:

@@ -7,8 +7,7 @@ stale entry costs a miss, never wrong KV. Writes are single etcd transactions ca
 like the placement ledger (DESIGN.md §5); the leader keeps an in-memory mirror, reloaded from etcd when it
 starts leading, so a lookup reads no etcd.
 
-Not wired yet: the manager's ``MatchPrefix``/``PublishPrefix`` RPCs, the attention servers' attach/cache
-RPCs and the compute instance's placement are the next steps of issue 13.
+Used by :mod:`.prefix` (the manager's ``MatchPrefix`` / ``PublishPrefix``).
 """
 
 from __future__ import annotations
@@ -54,6 +53,10 @@ class PrefixIndex:
                 break
             servers.append(server)
         return servers
+
+    def server_of(self, block_hash: BlockHash) -> str | None:
+        """The server indexed for ``block_hash``, or ``None``."""
+        return self._servers.get(block_hash)
 
     def blocks_per_server(self) -> dict[str, int]:
         """Cached rBlocks indexed per server (``infinite-llm status``)."""

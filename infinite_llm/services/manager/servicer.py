@@ -90,6 +90,25 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             ]
         )
 
+    async def MatchPrefix(self, request: mpb.MatchPrefixRequest, context) -> mpb.MatchPrefixResponse:  # noqa: N802, ANN001
+        if request.block_size:
+            self.manager.check_block_size(request.block_size, f"the caller matching {request.seq_id!r}")
+        prefix = self.manager.prefix
+        grants = await prefix.match(
+            request.seq_id, list(request.block_hashes), request.instance_id, identity=peer_of(context).identity
+        )
+        return mpb.MatchPrefixResponse(
+            grants=[
+                mpb.BlockGrant(server_id=g.server_id, address=self.address_of(g.server_id) or "", block_ids=g.block_ids)
+                for g in grants
+            ]
+        )
+
+    async def PublishPrefix(self, request: mpb.PublishPrefixRequest, context) -> mpb.PublishPrefixResponse:  # noqa: N802, ANN001
+        blocks = [(b.seq_id, b.block_index, b.block_hash, b.server_id) for b in request.blocks]
+        n = await self.manager.prefix.publish(blocks, identity=peer_of(context).identity)
+        return mpb.PublishPrefixResponse(num_indexed=n)
+
     async def Release(self, request: mpb.ReleaseRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         freed = await self.manager.release(request.seq_id, identity=peer_of(context).identity)
         self.metrics.releases.inc()
@@ -97,6 +116,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
 
     async def GetClusterState(self, request, context) -> mpb.ClusterStateResponse:  # noqa: N802, ANN001
         state = await self.manager.cluster_state()
+        cached = self.manager.prefix.blocks_per_server()
         reply = mpb.ClusterStateResponse()
         for m in state.members:
             reply.servers.add(
@@ -108,6 +128,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 num_sequences=int(m.load),
                 block_size=m.info.block_size,
                 node_name=m.info.node_name,
+                cached_blocks=cached.get(m.info.server_id, 0),
             )
         for seq_id, entries in sorted(state.ledger.items()):
             reply.ledger.add(

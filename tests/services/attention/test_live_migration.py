@@ -117,3 +117,59 @@ def test_an_order_for_a_finished_sequence_ends_without_moving(cluster):
     executor.between_steps()
     (result,) = executor.take_results()
     assert (result.num_moved, result.error) == (0, "the sequence is no longer running")
+
+
+def test_migrating_a_shared_block_moves_only_the_readers_reference(make_pair):
+    """Prefix caching: "r" reads "w"'s cached rBlocks 0, 1 on A. Migrating r's blocks to C gives r private
+    copies with the same bytes; w keeps its blocks (never freed while read), still cached, and steps on with
+    exact attention; once both end every rBlock is free again (the cached ones parked)."""
+    from infinite_llm.core.dist_attention import BlockId, BlockRef, HolderId
+    from infinite_llm.core.prefix_cache import block_hashes
+
+    pairs = {s: make_pair(8, LAYOUT, s, mirrored=False) for s in ("A", "C")}
+    steps = Steps(pairs, LAYOUT, NUM_HEADS)
+    tokens = list(range(100, 110))
+    hashes = block_hashes(tokens, LAYOUT.block_size, "m")  # blocks 0, 1
+
+    class Sharing(type(steps.placement)):
+        def match_prefix(self, seq_id, wanted):  # noqa: ANN001, ANN202
+            request = pb.AttachBlocksRequest(seq_id=seq_id, first_block_index=0, block_hashes=wanted)
+            reply = pairs["A"].stub.AttachBlocks(request, timeout=TIMEOUT)
+            return [BlockRef(HolderId("A"), BlockId(b)) for b in reply.block_ids]
+
+    placement = Sharing(pairs)
+    steps.placement = placement
+    steps.dist = type(steps.dist)(placement, steps.transport, LAYOUT.block_size, prefix_cache_model_id="m")
+    steps.place("w", ["A", "A", "A"])
+    steps.step([SeqStep("w", 0, 10)])
+    cached = pairs["A"].stub.CacheBlocks(
+        pb.CacheBlocksRequest(seq_id="w", block_indices=[0, 1], block_hashes=hashes), timeout=TIMEOUT
+    )
+    assert list(cached.cached_hashes) == hashes
+    assert steps.dist.match_prefix("r", tokens) == 8  # both full blocks, shared
+    placement.servers["r"] = ["A", "A", "C"]
+    assert steps.dist.try_allocate("r", 1)  # r's private tail on C
+    w_blocks = [ref.block_id for ref in steps.dist.block_table("w")[:2]]
+    assert [ref.block_id for ref in steps.dist.block_table("r")[:2]] == w_blocks
+
+    executor = MigrationExecutor(steps.dist, {"r": 9}.get, 16, timeout_s=TIMEOUT)
+    rids = [pairs["C"].stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="r", num_blocks=1), timeout=TIMEOUT)
+            for _ in range(2)]  # fmt: skip
+    executor.offer(Order(1, "r", "A", pairs["A"].address, "C", pairs["C"].address, [r.reservation_id for r in rids]))
+    executor.between_steps()
+    assert [(r.num_moved, r.error) for r in executor.take_results()] == [(2, "")]
+    assert [ref.holder for ref in steps.dist.block_table("r")] == ["C", "C", "C"]
+    assert [ref.block_id for ref in steps.dist.block_table("w")[:2]] == w_blocks  # the other reader's table
+    assert [_stats(pairs[s]) for s in ("A", "C")] == [(5, 3, 0), (5, 3, 0)]  # w's 3 on A; r's 3 on C
+
+    def payload(server: str, seq_id: str, ids: list[int]) -> list[bytes]:
+        request = pb.ExportBlocksRequest(seq_id=seq_id, block_ids=ids)
+        return [c.data for c in pairs[server].stub.ExportBlocks(request, timeout=TIMEOUT)][1:]
+
+    r_blocks = [ref.block_id for ref in steps.dist.block_table("r")[:2]]
+    assert payload("C", "r", r_blocks) == payload("A", "w", w_blocks)  # r's private copies: the same bytes
+    steps.step([SeqStep("w", 10, 1)])  # w reads its cached blocks on: exact attention, or it raises
+    steps.dist.free("w")
+    steps.dist.free("r")
+    assert [_stats(pairs[s]) for s in ("A", "C")] == [(8, 0, 0), (8, 0, 0)]
+    assert pairs["A"].stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached == 2  # parked, free

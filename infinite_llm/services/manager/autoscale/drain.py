@@ -77,6 +77,20 @@ class DrainGuard:
     async def truncate(self, server_id: str, seq_id: str, first_index: int) -> int:
         return await self._servers.truncate(server_id, seq_id, first_index)
 
+    async def attach(
+        self, server_id: str, seq_id: str, first_index: int, hashes: list[bytes]
+    ) -> tuple[list[int], list[bytes]]:
+        """As ``BlockServers.attach``; a draining server attaches nothing (a new reader there would have to
+        be migrated away again): the prefix is recomputed elsewhere."""
+        if server_id in self._draining:
+            return [], []
+        return await self._servers.attach(server_id, seq_id, first_index, hashes)
+
+    async def cache(self, server_id: str, seq_id: str, block_indices: list[int], hashes: list[bytes]) -> list[bytes]:
+        if server_id in self._draining:
+            return []
+        return await self._servers.cache(server_id, seq_id, block_indices, hashes)
+
     def _settle(self, server_id: str, reservation_id: int) -> None:
         if (server_id, reservation_id) in self._open:
             self._open.discard((server_id, reservation_id))

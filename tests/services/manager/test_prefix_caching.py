@@ -1,0 +1,145 @@
+"""The manager's prefix cache against real etcd and real rManagers: a published prefix is attached to a new
+sequence where it lives and counted in its ledger; a retried match is idempotent; an evicted hash costs a
+miss and leaves the index; a lost server's entries go; only the owner's identity may match or publish."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infinite_llm.core.errors import InvalidRequest, PermissionDenied, Unavailable
+from infinite_llm.core.prefix_cache import block_hashes
+from infinite_llm.services.manager import Grant
+from infinite_llm.services.manager.computes import ComputeInfo
+from infinite_llm.services.manager.prefix_index import PREFIX_INDEX_PREFIX
+
+from .helpers import make_servers, running_manager, wait_for
+
+H = block_hashes(list(range(16)), 4, "m")  # 4 chained block hashes
+
+
+async def _write_and_publish(m, seq_id: str = "w", n: int = 3) -> list[Grant]:
+    """``seq_id`` gets ``n`` rBlocks and publishes them under ``H[:n]``."""
+    grants = await m.place(seq_id, n)
+    where = [g.server_id for g in grants for _ in range(g.n_blocks)]
+    assert await m.prefix.publish([(seq_id, i, H[i], where[i]) for i in range(n)]) == n
+    return grants
+
+
+def test_a_published_prefix_is_attached_where_it_lives_and_counted_in_the_readers_ledger(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 6, "b": 4})
+        a = servers.rmanagers["a"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            assert await _write_and_publish(m) == [Grant("a", 3, (0, 1, 2))]
+            assert await m.prefix.publish([("w", 0, H[0], "a")]) == 0  # indexed already: one copy per hash
+            assert m.prefix.blocks_per_server() == {"a": 3}
+            assert await m.prefix.match("r", H) == [Grant("a", 3, (0, 1, 2))]  # H[3] is not cached: 3 hit
+            assert [a.pool.ref_count(b) for b in (0, 1, 2)] == [2, 2, 2]
+            assert await m.place("r", 1, first_index=3) == [Grant("b", 1, (0,))]  # the private tail: most free
+            assert (await m.cluster_state()).ledger == {"w": [("a", 3)], "r": [("a", 3), ("b", 1)]}
+            assert (m.prefix.queries, m.prefix.hits) == (4, 3)
+
+            assert await m.release("w") == 3  # the writer leaves: the reader keeps reading
+            assert [a.pool.ref_count(b) for b in (0, 1, 2)] == [1, 1, 1] and a.pool.num_free == 3
+            assert servers.rmanagers["b"].owned_blocks("r") == [0]
+            assert await m.release("r") == 4
+            assert (a.pool.num_free, a.pool.num_cached_free, (await m.cluster_state()).ledger) == (6, 3, {})
+
+    asyncio.run(scenario())
+
+
+def test_a_retried_match_frees_the_earlier_attempt_first(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 6})
+        a = servers.rmanagers["a"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _write_and_publish(m)
+            assert await m.prefix.match("r", H[:2]) == [Grant("a", 2, (0, 1))]
+            assert await m.prefix.match("r", H[:2]) == [Grant("a", 2, (0, 1))]  # its reply was lost: again
+            assert [a.pool.ref_count(b) for b in (0, 1, 2)] == [2, 2, 1]
+            assert (await m.cluster_state()).ledger["r"] == [("a", 2)]
+            await m.release("r")
+            await m.release("w")
+            assert a.pool.num_free == 6
+
+    asyncio.run(scenario())
+
+
+def test_an_evicted_block_is_a_miss_and_leaves_the_index(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 4})
+        a = servers.rmanagers["a"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _write_and_publish(m)
+            await m.release("w")  # parked: 0, 1, 2 (least recently used first)
+            a.reserve("x", 2)  # takes the free block 3, then evicts block 0 (H[0]) behind the manager's back
+            assert await m.prefix.match("r", H) == []
+            assert (await m.cluster_state()).ledger == {}  # the planned entry was taken back
+            assert m.prefix.index.server_of(H[0]) is None  # the stale entry left the index
+            assert (m.prefix.index.server_of(H[1]), a.pool.num_cached_free) == ("a", 2)
+            keys = {kv.key for kv in (await m.prefix.index._store.get_prefix(PREFIX_INDEX_PREFIX)).items}
+            assert keys == {PREFIX_INDEX_PREFIX + H[1].hex(), PREFIX_INDEX_PREFIX + H[2].hex()}
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_servers_entries_leave_the_index_and_are_never_matched(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 4, "b": 4})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.place("w", 2, near="a")
+            await m.place("v", 2, near="b")
+            await m.prefix.publish([("w", 0, H[0], "a"), ("v", 0, H[1], "b"), ("w", 1, H[2], "a")])
+            await m.deregister("b")
+            assert await m.prefix.match("r", H) == [Grant("a", 1, (0,))]  # b is gone: the chain stops there
+            await wait_for(lambda: m.prefix.blocks_per_server() == {"a": 2}, timeout_s=5)
+            assert await m.prefix.index.load() == 2  # in etcd too
+
+    asyncio.run(scenario())
+
+
+def test_only_the_owners_identity_may_match_or_publish_and_bad_hashes_are_refused(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 6})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",), identity="compute-c0"))
+            await m.place("w", 2, owner="c0", identity="compute-c0")
+            with pytest.raises(PermissionDenied):
+                await m.prefix.publish([("w", 0, H[0], "a")], identity="compute-other")
+            assert await m.prefix.publish([("w", 0, H[0], "a")], identity="compute-c0") == 1
+            with pytest.raises(PermissionDenied):
+                await m.prefix.match("r", H, owner="c0", identity="compute-other")
+            with pytest.raises(InvalidRequest):
+                await m.prefix.match("r", [b"short"])
+            with pytest.raises(InvalidRequest):
+                await m.prefix.match("bad id", H)
+            assert servers.rmanagers["a"].pool.ref_count(0) == 1  # nothing was attached
+            assert (await m.cluster_state()).ledger == {"w": [("a", 2)]}
+
+    asyncio.run(scenario())
+
+
+def test_leftovers_of_a_lost_attempt_are_freed_never_attached_over(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 6, "b": 4})
+        a = servers.rmanagers["a"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _write_and_publish(m)  # w's 3 blocks on a, cached
+            a.attach("r", [0], [H[0]])  # "r" holds block 0 on a with no ledger entry (an attempt that was lost)
+            assert await m.prefix.match("r", H) == []  # refused there: the leftovers are freed, a miss
+            assert (a.owned_blocks("r"), a.pool.ref_count(0), (await m.cluster_state()).ledger) == (
+                [],
+                1,
+                {"w": [("a", 3)]},
+            )
+            assert await m.prefix.match("r", H) == [Grant("a", 3, (0, 1, 2))]  # and the next try hits
+            b = servers.rmanagers.pop("b")  # a live member that cannot be reached now
+            await m.ledger.swap(await m.ledger.read("r"), [("a", 3), ("b", 1)])  # r also held a block on b
+            with pytest.raises(Unavailable):
+                await m.prefix.match("r", H)  # a retry cannot free b's leftovers: nothing is attached again
+            assert [a.pool.ref_count(x) for x in (0, 1, 2)] == [1, 1, 1]  # a's part was freed first
+            servers.rmanagers["b"] = b
+
+    asyncio.run(scenario())
