@@ -129,8 +129,6 @@ class ManagerPlacement:
         Raises ``Unavailable`` when the manager stays unreachable through the retries, and at once for
         ``PLACE_RETRY_S`` after that (the other sequences of the step do not each wait the retries out).
         """
-        if time.monotonic() < self._away_until:
-            raise Unavailable("the global manager is unreachable; placement is retried shortly")
         request = mpb.PlaceRequest(
             seq_id=seq_id,
             num_blocks=n,
@@ -138,26 +136,13 @@ class ManagerPlacement:
             block_size=self.block_size,
             instance_id=self.instance_id,
         )
-        with self._lock:
-            had = seq_id in self._held
-            self._held.add(seq_id)  # listed before its ledger entry can exist
         try:
-            reply = self._call_manager("Place", request)
+            refs, _ = self._grants_of(seq_id, "Place", request)
         except grpc.RpcError as e:
-            if not had:
-                with self._lock:
-                    self._held.discard(seq_id)
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._capacity = (self._capacity[0], 0, 0.0)  # re-read the view next time
                 return None
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._away_until = time.monotonic() + PLACE_RETRY_S
             raise error_from_rpc(e) from None
-        refs = []
-        with self._lock:
-            for g in reply.grants:
-                self._addresses[HolderId(g.server_id)] = g.address
-                refs.extend(BlockRef(HolderId(g.server_id), BlockId(int(b))) for b in g.block_ids)
         if len(refs) != n:
             raise CapacityExhausted(f"manager placed {len(refs)} rBlocks for {seq_id!r}, not {n}")
         return refs
@@ -171,31 +156,46 @@ class ManagerPlacement:
         Raises ``Unavailable`` when the manager stays unreachable (the scheduler retries the sequence next
         step; the manager frees what a lost attempt attached), other typed errors as ``place``.
         """
-        if time.monotonic() < self._away_until:
-            raise Unavailable("the global manager is unreachable; placement is retried shortly")
         request = mpb.MatchPrefixRequest(
             seq_id=seq_id, block_hashes=hashes, block_size=self.block_size, instance_id=self.instance_id
         )
+        try:
+            refs, had = self._grants_of(seq_id, "MatchPrefix", request)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+        if not refs and not had:
+            with self._lock:
+                self._held.discard(seq_id)  # a miss leaves no ledger entry
+        return refs
+
+    def _grants_of(self, seq_id: str, method: str, request) -> tuple[list[BlockRef], bool]:  # noqa: ANN001
+        """Call the manager's ``method`` (Place, MatchPrefix) that grants ``seq_id`` rBlocks; returns them (their
+        servers' addresses learnt) and whether this instance held the sequence before.
+
+        The sequence is listed as held before its ledger entry can exist (the reconciler then never takes
+        it for an orphan), and unlisted again if the call fails and it was not held before. After an
+        UNAVAILABLE the next calls fail at once for ``PLACE_RETRY_S``. Raises ``Unavailable`` (that case) or
+        the call's ``grpc.RpcError``."""
+        if time.monotonic() < self._away_until:
+            raise Unavailable("the global manager is unreachable; placement is retried shortly")
         with self._lock:
             had = seq_id in self._held
-            self._held.add(seq_id)  # listed before its ledger entry can exist
+            self._held.add(seq_id)
         try:
-            reply = self._call_manager("MatchPrefix", request)
+            reply = self._call_manager(method, request)
         except grpc.RpcError as e:
             if not had:
                 with self._lock:
                     self._held.discard(seq_id)
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._away_until = time.monotonic() + PLACE_RETRY_S
-            raise error_from_rpc(e) from None
+            raise
         refs = []
         with self._lock:
             for g in reply.grants:
                 self._addresses[HolderId(g.server_id)] = g.address
                 refs.extend(BlockRef(HolderId(g.server_id), BlockId(int(b))) for b in g.block_ids)
-            if not refs and not had:
-                self._held.discard(seq_id)  # a miss leaves no ledger entry
-        return refs
+        return refs, had
 
     def publish(self, seq_id: str, blocks: Sequence[tuple[int, BlockHash, BlockRef]]) -> int:
         """Queue full rBlocks of ``seq_id`` (``(logical index, hash, where)``) for the index; they go to the
