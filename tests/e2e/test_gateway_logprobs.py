@@ -121,7 +121,10 @@ def test_chat_logprobs_and_top_logprobs_equal_hf_unary_and_streamed(oai, tokeniz
     assert (torch.tensor([c.logprob for c in content]) - ref).abs().max().item() < TOL
     streamed = [c for chunk in oai.chat.completions.create(**kwargs, stream=True) for ch in chunk.choices
                 if ch.logprobs for c in ch.logprobs.content]  # fmt: skip
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # The second request reads the first one's prompt blocks from the prefix cache (on by default): its
+    # KV was computed in another batch shape, so logprobs agree to float rounding, not bit for bit.
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content, strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize(
