@@ -210,9 +210,11 @@ class RManager:
         """Block ids of ``seq_id`` here, in commit order."""
         return list(self._owned.get(seq_id, {}).values())
 
-    def block_indices_from(self, seq_id: str, first_index: int) -> list[int]:
-        """Logical indices ``>= first_index`` that ``seq_id`` holds here, ascending."""
-        return sorted(i for i in self._owned.get(seq_id, {}) if i >= first_index)
+    def free_from(self, seq_id: str, first_index: int) -> int:
+        """Free ``seq_id``'s rBlocks at logical index ``>= first_index`` (none held: nothing); returns how
+        many. A retried Place truncates a sequence this way (``GlobalManager.place``)."""
+        beyond = sorted(i for i in self._owned.get(seq_id, {}) if i >= first_index)
+        return self.free_blocks(seq_id, beyond) if beyond else 0
 
     def block_indices(self, seq_id: str, block_ids: Sequence[int]) -> list[int]:
         """Logical index of each of ``seq_id``'s ``block_ids`` (for export)."""

@@ -113,8 +113,7 @@ class ServedRManager:
         if from_index is not None:
             if from_index < 0:
                 raise InvalidRequest(f"from_block_index must be >= 0, got {from_index}", param="from_block_index")
-            beyond = self.rm.block_indices_from(seq_id, from_index)
-            return self.rm.free_blocks(seq_id, beyond) if beyond else 0
+            return self.rm.free_from(seq_id, from_index)
         if block_indices:
             return self.rm.free_blocks(seq_id, block_indices)
         freed = self.rm.free_sequence(seq_id)

@@ -41,9 +41,7 @@ class LocalServers:
     async def truncate(self, server_id: str, seq_id: str, first_index: int) -> int:
         """Free ``seq_id``'s committed rBlocks at logical index ``>= first_index``; returns rBlocks left."""
         rm = self._get(server_id)
-        beyond = rm.block_indices_from(seq_id, first_index)
-        if beyond:
-            rm.free_blocks(seq_id, beyond)
+        rm.free_from(seq_id, first_index)
         return len(rm.owned_blocks(seq_id))
 
     async def attach(
