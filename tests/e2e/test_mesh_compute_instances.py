@@ -86,11 +86,21 @@ def _status_rows(output: str) -> dict[str, list[str]]:
 
 
 def test_status_shows_each_instance_with_homes_batch_queue_tokens_held_and_debt(mesh):
+    homed = _spawn(mesh, "compute-homed", homes=["attn-2"])
+    try:
+        _check_status_of_homed(mesh, homed)
+    finally:  # never left behind for the session mesh's next tests, even when a check fails
+        homed.popen.terminate()
+        homed.popen.wait(timeout=30)
+    assert wait_until(lambda: "compute-homed" not in _listed(mesh), timeout_s=LEASE_S)
+    assert wait_until(lambda: all_blocks_free(mesh))
+
+
+def _check_status_of_homed(mesh, homed) -> None:  # noqa: ANN001
     from typer.testing import CliRunner
 
     from infinite_llm.cli import app
 
-    homed = _spawn(mesh, "compute-homed", homes=["attn-2"])
     # More rBlocks than one server holds; placement is home-first: attn-2, the instance's only home, fills up
     # and the rest is lent by the other servers, so the instance owes those.
     prompt = list(range(1000, 1000 + (BLOCKS_PER_SERVER + 1) * BLOCK_SIZE))
@@ -103,7 +113,9 @@ def test_status_shows_each_instance_with_homes_batch_queue_tokens_held_and_debt(
         call = cgrpc.ComputeInstanceStub(ch).Generate(request, timeout=300)
         try:
             next(call)  # prefilled: every prompt token has KV now
-            assert wait_until(lambda: _compute_states(mesh)["compute-homed"].num_running == 1, timeout_s=10)
+            # A heartbeat taken during the prefill step already counts the sequence running, with no KV yet:
+            # wait for one taken after it.
+            assert wait_until(lambda: _compute_states(mesh)["compute-homed"].num_tokens_held > 0, timeout_s=10)
             before = cluster_state(mesh.manager_address)
             out = CliRunner().invoke(app, ["status", "--manager", mesh.manager_address], env={"COLUMNS": "250"})
             after = _compute_states(mesh)["compute-homed"]
@@ -123,7 +135,3 @@ def test_status_shows_each_instance_with_homes_batch_queue_tokens_held_and_debt(
     assert away <= int(row[7]) <= after.debt_blocks
     assert _status_rows(out.output)["compute-0"][2:4] == ["-", "attn-0, attn-1, attn-2"]
     assert "long-homed" in out.output and "compute instances" in out.output
-    homed.popen.terminate()
-    homed.popen.wait(timeout=30)
-    assert wait_until(lambda: "compute-homed" not in _listed(mesh), timeout_s=LEASE_S)
-    assert wait_until(lambda: all_blocks_free(mesh))
