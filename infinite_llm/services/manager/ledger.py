@@ -8,6 +8,7 @@ because someone else wrote the key in between is a conflict: the caller re-reads
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infinite_llm.core.errors import Unavailable
@@ -60,8 +61,11 @@ class Ledger:
         """Every sequence's entries, by seq_id."""
         return {r.seq_id: r.entries for r in await self.read_records()}
 
-    async def swap(self, record: LedgerRecord, entries: LedgerEntries | None) -> LedgerRecord | None:
-        """Replace ``record`` by ``entries`` (``None`` or empty: delete the key) if nobody wrote it since.
+    async def swap(
+        self, record: LedgerRecord, entries: LedgerEntries | None, also: Sequence[Op] = ()
+    ) -> LedgerRecord | None:
+        """Replace ``record`` by ``entries`` (``None`` or empty: delete the key) if nobody wrote it since;
+        ``also``: more writes of the same transaction (the prefix index's deletions of evicted rBlocks).
 
         Returns:
             ``None`` on success, else the record as it is now (re-read) for the caller's retry.
@@ -72,7 +76,9 @@ class Ledger:
         key = LEDGER_PREFIX + record.seq_id
         guard = Compare.absent(key) if record.mod_revision == 0 else Compare.mod_revision(key, record.mod_revision)
         op = Op.put(key, encode_ledger(entries, record.owner)) if entries else Op.delete(key)
-        result = await self._store.txn([self._leadership.fence(), guard], [op], [Op.get(LEADER_KEY), Op.get(key)])
+        result = await self._store.txn(
+            [self._leadership.fence(), guard], [op, *also], [Op.get(LEADER_KEY), Op.get(key)]
+        )
         if result.succeeded:
             return None
         self._leadership.check(result.gets[0])

@@ -6,6 +6,9 @@ in this process, so the bookkeeping the manager relies on is the real one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import Unavailable
 from infinite_llm.core.rmanager import RManager
@@ -16,11 +19,22 @@ class LocalServers:
 
     def __init__(self, rmanagers: dict[str, RManager]) -> None:
         self.rmanagers = rmanagers
+        # Told ``(server_id, hashes)`` the moment an rManager's cache drops them (an attention server tells
+        # the manager in its next reserve reply instead).
+        self.on_uncached: Callable[[str, list[bytes]], None] | None = None
+        for server_id, rm in rmanagers.items():
+            rm.on_uncache = partial(self._uncached, server_id)
+
+    def _uncached(self, server_id: str, hashes: list[bytes]) -> None:
+        if self.on_uncached is not None:
+            self.on_uncached(server_id, hashes)
 
     def _get(self, server_id: str) -> RManager:
         rm = self.rmanagers.get(server_id)
         if rm is None:
             raise Unavailable(f"attention server {server_id!r} is not reachable")
+        if rm.on_uncache is None:  # added after construction
+            rm.on_uncache = partial(self._uncached, server_id)
         return rm
 
     async def reserve(self, server_id: str, seq_id: str, n: int) -> Reservation:

@@ -92,6 +92,7 @@ class GlobalManager:
         self.rebalancer = Rebalancer(self)
         self._placing = KeyedLocks()  # one Place of a sequence at a time (a retry waits for the first)
         self.prefix = PrefixCaching(self, store)  # the cluster's prefix cache (MatchPrefix / PublishPrefix)
+        servers.on_uncached = self.prefix.note_uncached  # evicted cached rBlocks leave the index
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:
@@ -335,11 +336,16 @@ class GlobalManager:
         raise self.ledger.too_contended(record.seq_id)
 
     async def _record(self, record: LedgerRecord, added: LedgerEntries, owner: str = "") -> None:
+        """Add ``added`` to the sequence's ledger entry (fenced compare-and-swap, retried on conflicts). The
+        cached rBlocks the reservations evicted leave the prefix index in the same transaction."""
+        evicted = self.prefix.evicted()
         for _ in range(self.config.max_txn_attempts):
             if owner and not record.owner:
                 record = replace(record, owner=owner)
-            conflict = await self.ledger.swap(record, merge_ledger(record.entries, added))
+            also = self.prefix.index.deletions(evicted)
+            conflict = await self.ledger.swap(record, merge_ledger(record.entries, added), also)
             if conflict is None:
+                self.prefix.unindexed(evicted)
                 return
             log.info("ledger of %s changed concurrently; retrying", record.seq_id)
             record = conflict

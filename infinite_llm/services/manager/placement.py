@@ -12,6 +12,7 @@ made is cancelled and :class:`CapacityExhausted` is raised: nothing is leaked.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +28,12 @@ class BlockServers(Protocol):
 
     Every method raises ``Unavailable`` if the server cannot be reached; ``reserve`` raises
     ``CapacityExhausted`` (and changes nothing) if the server has fewer than ``n`` free rBlocks.
+
+    ``on_uncached(server_id, hashes)``, set by the manager, is told the hashes a server reports gone from its
+    prefix cache (a reservation evicted them), so the next ledger write takes them out of the index.
     """
+
+    on_uncached: Callable[[str, list[bytes]], None] | None
 
     async def reserve(self, server_id: str, seq_id: str, n: int) -> Reservation: ...
 

@@ -12,8 +12,10 @@ Ordering (DESIGN.md §5: committed rBlocks follow their ledger write): the ledge
 first, one fenced compare-and-swap; then the servers attach; a shorter attach (a hash evicted meanwhile)
 corrects the ledger with a second swap. Eviction happens on the server, atomically with its own map, when a
 reservation needs room (least recently used among rBlocks with no reader): nothing can attach to an evicted
-rBlock, and the hashes it drops come back in the server's next reserve/attach reply so the index forgets them.
-An index entry can therefore be stale for a moment; that costs a miss, never wrong KV.
+rBlock, and the hashes it drops come back in the reserve reply; the placement's ledger write that follows
+deletes them from the index in its own transaction (``GlobalManager._record``). A hash evicted otherwise (an
+attach's reservation, a report that came late) leaves at the next match or publish. An index entry can
+therefore be stale for a moment; that costs a miss, never wrong KV.
 
 Source: vLLM v1 ``kv_cache_manager.get_computed_blocks`` / ``cache_blocks`` (the same split of match and
 publish), SGLang's radix cache (LRU eviction of unreferenced nodes), over the paper's pooled rBlocks.
@@ -62,6 +64,23 @@ class PrefixCaching:
         """``server_id`` reports ``hashes`` left its cache (evicted or cleared); the index drops them next."""
         if hashes:
             self._uncached.setdefault(server_id, set()).update(hashes)
+
+    def evicted(self) -> list[BlockHash]:
+        """Hashes servers reported gone whose entry still names that server: the next ledger write drops
+        them from the index in its own transaction (:meth:`~.ledger.Ledger.swap` ``also``), then
+        :meth:`unindexed`. A reservation that evicts rBlocks is followed by its placement's ledger write, so
+        they leave the index in the transaction that records the placement they made room for."""
+        index = self.index
+        return [h for server_id, hashes in self._uncached.items() for h in hashes if index.server_of(h) == server_id]
+
+    def unindexed(self, hashes: Sequence[BlockHash]) -> None:
+        """``hashes`` left etcd's index (a committed transaction carried :meth:`evicted`'s deletions)."""
+        self.index.forget(hashes)
+        gone = set(hashes)
+        for server_id in list(self._uncached):
+            self._uncached[server_id] -= gone
+            if not self._uncached[server_id]:
+                del self._uncached[server_id]
 
     async def flush_uncached(self) -> int:
         """Unindex what servers reported gone (entries still naming that server); returns how many."""

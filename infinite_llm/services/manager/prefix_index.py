@@ -84,6 +84,15 @@ class PrefixIndex:
                 del self._servers[h]
         return len(gone)
 
+    def deletions(self, hashes: Sequence[BlockHash]) -> list[Op]:
+        """The etcd writes that drop ``hashes`` (for another fenced transaction to carry); then :meth:`forget`."""
+        return [Op.delete(index_key(h)) for h in hashes]
+
+    def forget(self, hashes: Sequence[BlockHash]) -> None:
+        """The mirror's half of :meth:`deletions`, once their transaction committed."""
+        for h in hashes:
+            self._servers.pop(h, None)
+
     async def drop_server(self, server_id: str) -> int:
         """Drop every entry of a lost server (its KV died with it: those prefixes are recomputed)."""
         return await self.remove([h for h, s in self._servers.items() if s == server_id])

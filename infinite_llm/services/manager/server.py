@@ -99,7 +99,6 @@ async def serve(config: ManagerServerConfig) -> None:
             leader_ttl_s=config.leader_ttl_s,
         ),
     )
-    servers.on_uncached = manager.prefix.note_uncached  # evictions reported in reserve replies leave the index
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
     registry = CollectorRegistry()
     reconciler = Reconciler(

@@ -74,6 +74,7 @@ def test_an_evicted_block_is_a_miss_and_leaves_the_index(etcd_server, etcd_prefi
         async with running_manager(etcd_server, etcd_prefix, servers) as m:
             await _write_and_publish(m)
             await m.release("w")  # parked: 0, 1, 2 (least recently used first)
+            a.on_uncache = lambda hashes: None  # a server whose report of evictions has not come yet
             a.reserve("x", 2)  # takes the free block 3, then evicts block 0 (H[0]) behind the manager's back
             assert await m.prefix.match("r", H) == []
             assert (await m.cluster_state()).ledger == {}  # the planned entry was taken back
@@ -81,6 +82,33 @@ def test_an_evicted_block_is_a_miss_and_leaves_the_index(etcd_server, etcd_prefi
             assert (m.prefix.index.server_of(H[1]), a.pool.num_cached_free) == ("a", 2)
             keys = {kv.key for kv in (await m.prefix.index._store.get_prefix(PREFIX_INDEX_PREFIX)).items}
             assert keys == {PREFIX_INDEX_PREFIX + H[1].hex(), PREFIX_INDEX_PREFIX + H[2].hex()}
+
+    asyncio.run(scenario())
+
+
+def test_rblocks_a_placement_evicts_leave_the_index_in_the_transaction_that_records_it(etcd_server, etcd_prefix):
+    async def scenario():
+        servers = make_servers({"a": 4})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _write_and_publish(m)
+            await m.release("w")  # parked: 0, 1, 2 (least recently used first); block 3 is plain free
+            store, events = m.prefix.index._store, []
+            watch = await store.watch_prefix("", events.append)
+            try:
+                # Room for 2: the free block 3, then the least recently used cached one, block 0 (H[0]).
+                assert await m.place("x", 2) == [Grant("a", 2, (3, 0))]
+                await wait_for(lambda: any(e.kv.key == "ledger/x" for e in events), timeout_s=5)
+            finally:
+                await watch.cancel()
+            # No match or publish ran since: the placement's own ledger write dropped H[0], in one revision.
+            assert m.prefix.index.server_of(H[0]) is None and m.prefix.evicted() == []
+            keys = {kv.key for kv in (await store.get_prefix(PREFIX_INDEX_PREFIX)).items}
+            assert keys == {PREFIX_INDEX_PREFIX + H[1].hex(), PREFIX_INDEX_PREFIX + H[2].hex()}
+            changes = {(e.kind, e.kv.key): e.kv.mod_revision for e in events}
+            (ledger_revision,) = [r for (kind, key), r in changes.items() if key == "ledger/x"]
+            assert changes[("delete", PREFIX_INDEX_PREFIX + H[0].hex())] == ledger_revision
+            assert await m.prefix.match("r", H) == []  # the chain starts at H[0]: a miss
+            assert (m.prefix.index.server_of(H[1]), servers.rmanagers["a"].pool.num_cached_free) == ("a", 2)
 
     asyncio.run(scenario())
 

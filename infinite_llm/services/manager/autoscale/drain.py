@@ -15,6 +15,7 @@ finish release theirs meanwhile, and new ones go elsewhere.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import CapacityExhausted
@@ -29,6 +30,15 @@ class DrainGuard:
         self._draining: frozenset[str] = frozenset()
         self._in_flight: Counter[str] = Counter()
         self._open: set[tuple[str, int]] = set()  # (server_id, reservation_id) reserved, not yet settled
+
+    @property
+    def on_uncached(self) -> Callable[[str, list[bytes]], None] | None:
+        """The wrapped servers' ``on_uncached`` (evictions they report reach the manager through the guard)."""
+        return self._servers.on_uncached
+
+    @on_uncached.setter
+    def on_uncached(self, callback: Callable[[str, list[bytes]], None] | None) -> None:
+        self._servers.on_uncached = callback
 
     @property
     def draining(self) -> frozenset[str]:
