@@ -17,10 +17,10 @@ from infinite_llm.core.constraints import ComputeOnWait, MaskPrefetch, apply_bit
 from infinite_llm.core.decode_graphs import DecodeGraphs
 from infinite_llm.core.dist_attention import StepAttention
 from infinite_llm.core.logits_processors import SeqTokens, apply_processors
-from infinite_llm.core.logprobs import TokenLogprob, prompt_targets, token_logprobs
+from infinite_llm.core.logprobs import TokenLogprob, prompt_targets
 from infinite_llm.core.model import AttentionFn, LlamaForCausalLM
 from infinite_llm.core.rmanager import SeqStep
-from infinite_llm.core.sampling import sample
+from infinite_llm.core.sampler import sample, token_logprobs
 from infinite_llm.core.scheduler import ScheduledSeq
 
 PrepareFn = Callable[[list[SeqStep], int], StepAttention]  # (step's sequences, num_heads) -> attention

@@ -1,8 +1,7 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, reproducible with a seed.
+"""Sampling parameters: greedy, temperature, top-k, top-p, a seed, penalties, stops, log-probabilities.
 
-Reproducibility rule: the random draw for output token ``i`` of a request uses a generator seeded from
-``(seed, i)`` only, so a request gives the same tokens alone or in any batch, and after preemption by
-recompute (vLLM's per-request generator gives the first property; deriving from the index gives the second).
+No torch here: the router, the gateway and the SDK validate and encode requests with these types alone. The
+sampler that applies them is :mod:`infinite_llm.core.sampler`.
 """
 
 from __future__ import annotations
@@ -11,12 +10,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
-import torch
-
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.logprobs import MAX_LOGPROBS
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over 64 bits
 
 
 @dataclass(frozen=True)
@@ -111,44 +106,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
-
-
-def _generator(seed: int, index: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((seed * _SEED_MIX + index) % (1 << 63))
-    return g
-
-
-def sample_one(logits: torch.Tensor, params: SamplingParams, output_index: int) -> int:
-    """Pick one token id from ``logits [vocab_size]`` fp32 for output position ``output_index``."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature
-    if params.top_k is not None and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        drop = cum - sorted_probs >= params.top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    assert params.seed is not None
-    # The generator is a CPU one, so the draw is made on the CPU: a seed gives the same tokens on every device.
-    return int(torch.multinomial(probs.cpu(), 1, generator=_generator(params.seed, output_index)))
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
-    """Sample the next token of each sequence: ``logits [num_seqs, vocab_size]`` fp32 -> ``num_seqs`` ids."""
-    assert logits.shape[0] == len(params) == len(output_indices)
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    out = [0] * len(params)
-    if greedy_rows:
-        ids = torch.argmax(logits[greedy_rows], dim=-1).tolist()
-        for row, tok in zip(greedy_rows, ids, strict=True):
-            out[row] = tok
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = sample_one(logits[i], p, output_indices[i])
-    return out

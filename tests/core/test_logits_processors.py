@@ -5,7 +5,8 @@ import torch
 
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.logits_processors import SeqTokens, apply_processors
-from infinite_llm.core.sampling import SamplingParams, sample
+from infinite_llm.core.sampler import sample
+from infinite_llm.core.sampling import SamplingParams
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
 

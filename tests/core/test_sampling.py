@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from infinite_llm.core.errors import InvalidRequest
-from infinite_llm.core.sampling import SamplingParams, sample, sample_one
+from infinite_llm.core.sampler import sample, sample_one
+from infinite_llm.core.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(

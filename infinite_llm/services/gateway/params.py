@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from infinite_llm.core.errors import ContextLengthExceeded, InvalidRequest
-from infinite_llm.engine.structured import grammar_of
+from infinite_llm.engine.grammar import grammar_of
 from infinite_llm.services.gateway.errors import RequestAborted
 from infinite_llm.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from infinite_llm.services.gateway.tools import ToolPlan

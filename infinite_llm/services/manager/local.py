@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import Unavailable
-from infinite_llm.core.rmanager import RManager
+
+if TYPE_CHECKING:  # the manager process does not load torch (RManager's module does)
+    from infinite_llm.core.rmanager import RManager
 
 
 class LocalServers:

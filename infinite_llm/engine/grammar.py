@@ -1,0 +1,36 @@
+"""A JSON schema -> the llguidance grammar that enforces it (structured output, issue 12).
+
+No torch: the gateway checks a request's schema with it before any compute instance sees the request; the
+engine (:mod:`.structured`) builds its per-request token constraints from the same grammar. JSON is compact
+(``whitespace_flexible: false``): a small model left free to emit whitespace can spin on it until
+``max_tokens`` and never close the object.
+"""
+
+from __future__ import annotations
+
+import json
+
+from infinite_llm.core.errors import InvalidRequest
+
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def grammar_of(json_schema: str) -> str:
+    """The llguidance grammar of ``json_schema`` (JSON text); ``InvalidRequest`` when it is not a schema
+    llguidance can enforce (bad JSON, an unsupported keyword), naming ``json_schema``."""
+    import llguidance
+
+    try:
+        schema = json.loads(json_schema)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param="json_schema") from None
+    if not isinstance(schema, dict | bool):
+        raise InvalidRequest("a JSON schema is an object (or true/false)", param="json_schema")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
+    except ValueError as e:
+        raise InvalidRequest(f"the JSON schema cannot be enforced: {e}", param="json_schema") from None
+    is_error, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise InvalidRequest(f"the JSON schema cannot be enforced: {'; '.join(problems)}", param="json_schema")
+    return grammar
