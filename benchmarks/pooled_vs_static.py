@@ -1,8 +1,17 @@
 """Pooled KV memory vs a static per-instance partition, on the local mesh (issue 10, PAPER.md "Evaluation").
 
 2 compute instances, each with one home attention server of small KV memory (``--home-blocks`` rBlocks),
-serve one long-tail trace: mostly short requests, and a few whose context exceeds one home server. Modes,
-one after the other, each on fresh processes:
+serve one trace (``--trace``):
+
+- ``long-tail``: mostly short requests, and a few whose context exceeds one home server; each request goes
+  to whichever instance the router (pooled) or the alternation (static) gives it.
+- ``skewed``: PAPER.md's debtor and creditor. Instance 0 gets ``--busy`` requests of ~0.3 of a home server's
+  memory each, more than its home holds at once, so its batch is held down by memory; instance 1 gets
+  ``--idle`` short ones and its home memory mostly idles. Each request is sent to its instance directly
+  (``ComputeInstance.Generate``: what a session-affine or per-tenant router does), in every mode alike, so
+  both modes serve exactly the same requests on the same instances.
+
+Modes, one after the other, each on fresh processes:
 
 - ``static``: each instance uses only its home (the vLLM-multi baseline): two independent meshes of one
   instance and one server each; requests alternate between them.
@@ -31,6 +40,7 @@ import os
 import threading
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,6 +49,9 @@ from infinite_llm.client import Client, InfiniteLLMError
 from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.models.registry import load_model_files, resolve_model
+from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
+from infinite_llm.pb.v1 import generate_pb2 as gpb
+from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.state.etcd_launcher import free_port
 
 BLOCK_SIZE = 16
@@ -57,6 +70,7 @@ MODES = {
 class Request:
     prompt: list[int]
     max_tokens: int
+    instance: int | None = None  # send to this compute instance directly; None: through the router
 
 
 @dataclass
@@ -89,6 +103,19 @@ def long_tail_trace(tokens: list[int], n_short: int, n_long: int, home_tokens: i
     trace = list(short)
     for j, r in enumerate(longs):
         trace.insert(min(len(trace), (j + 1) * 8), r)
+    return trace
+
+
+def skewed_trace(tokens: list[int], n_busy: int, n_idle: int, home_tokens: int) -> list[Request]:
+    """``n_busy`` requests for instance 0 of ~0.3 of a home server each (prompt ``0.21 x home`` tokens, then
+    ``0.08 x home`` new: 80 + 32 at a 384-token home), and ``n_idle`` short ones for instance 1 (32-48 prompt
+    tokens, 16 new), interleaved one idle per ``n_busy // n_idle`` busy."""
+    prompt, new = int(home_tokens * 0.21), max(int(home_tokens * 0.08), 1)
+    busy = [Request(tokens[i * 5 : i * 5 + prompt], new, instance=0) for i in range(n_busy)]
+    idle = [Request(tokens[1000 + i * 7 : 1000 + i * 7 + 32 + (i * 5) % 17], 16, instance=1) for i in range(n_idle)]
+    trace = list(busy)
+    for j, r in enumerate(idle):
+        trace.insert(min(len(trace), j * (n_busy // max(n_idle, 1) + 1)), r)
     return trace
 
 
@@ -131,11 +158,31 @@ def compute_figures(fig: Figures, meshes: list[LocalMesh], batch: BatchSampler) 
     fig.attention_rpc_s = sum(rpc) / max(sum(n), 1)
 
 
-def run_trace(clients: list[Client], trace: list[Request]) -> Figures:
-    """Send every request at once (request i to ``clients[i % len(clients)]``); figures of the run."""
+def generate_on(address: str, r: Request) -> int | None:
+    """``r`` on the compute instance at ``address`` directly (greedy, ``ignore_eos``); its output tokens, or
+    ``None`` if it failed."""
+    request = gpb.GenerateRequest(
+        request_id=f"bench-{uuid.uuid4().hex}",
+        token_ids=gpb.TokenIds(ids=r.prompt),
+        sampling=gpb.SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True),
+    )
+    with sync_channel(address, tls=None) as channel:
+        try:
+            replies = list(cgrpc.ComputeInstanceStub(channel).Generate(request, timeout=3600))
+        except Exception:  # noqa: BLE001 - any failure counts the request as refused
+            return None
+    return sum(len(m.token_ids) for m in replies) if replies and replies[-1].finish_reason == "length" else None
+
+
+def run_trace(clients: list[Client], trace: list[Request], instances: list[str] = ()) -> Figures:
+    """Send every request at once (request i to ``clients[i % len(clients)]``, or to ``instances[r.instance]``
+    when it names one); figures of the run."""
     fig = Figures()
 
     def one(i: int, r: Request):
+        if r.instance is not None:
+            n = generate_on(instances[r.instance], r)
+            return None if n is None else (len(r.prompt) + n, n)
         try:
             out = clients[i % len(clients)].generate(r.prompt, max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
         except InfiniteLLMError:
@@ -180,12 +227,18 @@ def _metrics(meshes: list[LocalMesh]) -> list[str]:
     return [p.metrics_address for m in meshes for p in m.procs if p.role == "compute"]
 
 
+def _instances(meshes: list[LocalMesh]) -> list[str]:
+    """The compute instances' addresses: instance i is compute-i (home attn-i) of a pooled mesh, or the one
+    instance of static mesh i."""
+    return [p.address for m in meshes for p in sorted(m.compute_instances(), key=lambda p: p.name)]
+
+
 def run_static(trace: list[Request], home_bytes: int) -> Figures:
     with contextlib.ExitStack() as stack:
         meshes = [stack.enter_context(LocalMesh(mesh_config(1, home_bytes))) for _ in range(2)]
         clients = [stack.enter_context(Client(m.router_address, tls=None)) for m in meshes]
         with BatchSampler(_metrics(meshes)) as batch:
-            fig = run_trace(clients, trace)
+            fig = run_trace(clients, trace, _instances(meshes))
         compute_figures(fig, meshes, batch)
         return fig
 
@@ -196,7 +249,7 @@ def run_pooled(trace: list[Request], home_bytes: int, tokens_per_step: int) -> F
     try:
         with LocalMesh(mesh_config(2, home_bytes)) as mesh, Client(mesh.router_address, tls=None) as client:
             with BatchSampler(_metrics([mesh])) as batch:
-                fig = run_trace([client], trace)
+                fig = run_trace([client], trace, _instances([mesh]))
             compute_figures(fig, [mesh], batch)
             time.sleep(3.0)  # the last migration results reach the manager with the next heartbeats
             manager = next(p for p in mesh.procs if p.role == "manager")
@@ -213,17 +266,27 @@ def run_pooled(trace: list[Request], home_bytes: int, tokens_per_step: int) -> F
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--home-blocks", type=int, default=24, help="rBlocks of each home attention server")
-    ap.add_argument("--short", type=int, default=24, help="short requests in the trace")
-    ap.add_argument("--long", type=int, default=3, help="long requests (context > one home server)")
+    ap.add_argument("--trace", choices=("long-tail", "skewed"), default="long-tail", help="see the module docstring")
+    ap.add_argument("--short", type=int, default=24, help="long-tail: short requests in the trace")
+    ap.add_argument("--long", type=int, default=3, help="long-tail: long requests (context > one home server)")
+    ap.add_argument("--busy", type=int, default=32, help="skewed: requests for instance 0 (the debtor)")
+    ap.add_argument("--idle", type=int, default=2, help="skewed: short requests for instance 1 (the creditor)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     a = ap.parse_args()
     config, _, tokenizer = load_model_files(resolve_model(None))
     layout = KVLayout(config.num_hidden_layers, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
     home_bytes = a.home_blocks * layout.bytes_per_block
-    trace = long_tail_trace(tokenizer.encode(TEXT), a.short, a.long, a.home_blocks * BLOCK_SIZE)
+    tokens, home_tokens = tokenizer.encode(TEXT), a.home_blocks * BLOCK_SIZE
+    if a.trace == "skewed":
+        trace = skewed_trace(tokens, a.busy, a.idle, home_tokens)
+        busy = next(r for r in trace if r.instance == 0)
+        kinds = f"{a.busy} for instance 0 of {len(busy.prompt)}+{busy.max_tokens} tokens, {a.idle} short for 1"
+    else:
+        trace = long_tail_trace(tokens, a.short, a.long, home_tokens)
+        kinds = f"{a.short} short, {a.long} long"
     print(
-        f"trace: {len(trace)} requests ({a.short} short, {a.long} long); 2 instances, home {a.home_blocks} rBlocks "
-        f"x {BLOCK_SIZE} tokens each (pool {2 * a.home_blocks * BLOCK_SIZE} tokens)",
+        f"trace {a.trace}: {len(trace)} requests ({kinds}); 2 instances, home {a.home_blocks} rBlocks "
+        f"x {BLOCK_SIZE} tokens each (pool {2 * home_tokens} tokens)",
         flush=True,
     )
     modes = [m.strip() for m in a.modes.split(",")]
