@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
-import torch
 
 from infinite_llm.core.config import ModelConfig
 from infinite_llm.core.errors import NotFound
 from infinite_llm.models.errors import UnsupportedModel
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading a config needs none
+    import torch
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,13 +42,16 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load config and all tensors of a llama-arch GGUF file (~4 s for SmolLM2-135M on 2 cores).
 
     Returns HF names -> ``dtype`` tensors in HF orientation and rotary layout; ``lm_head.weight`` is absent
     when the file has no ``output.weight`` (tied embeddings). Raises :class:`NotFound` for a missing file and
     :class:`UnsupportedModel` for another architecture, RoPE scaling or an unknown tensor.
     """
+    import torch
+
+    dtype = dtype or torch.float32
     reader = open_gguf(path)
     cfg = gguf_config(reader)
     state_dict = {}

