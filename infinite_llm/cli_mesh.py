@@ -7,6 +7,7 @@ service until SIGTERM/SIGINT. Logs go to stderr.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -537,13 +538,13 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
     for p in mesh.procs:
         metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else ""
         table.add_row(p.name, p.address, metrics, str(p.log_path))
-    Console(soft_wrap=True).print(table)
-    Console().print(
+    out = _stdout()
+    out.print(table)
+    out.print(
         f"router: {mesh.router_address}    manager: {mesh.manager_address}    "
         f"OpenAI API: http://{mesh.gateway_address}/v1    (Ctrl-C stops all)"
     )
     if mesh.tls_dir is not None:
-        out = Console(soft_wrap=True)
         out.print(f"mTLS on; clients: --tls-dir {mesh.tls_dir}   (or export INFINITE_LLM_TLS_DIR={mesh.tls_dir})")
         if mesh.etcd_tls_dir is not None:
             d = mesh.etcd_tls_dir
@@ -552,7 +553,7 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
                 f"--cacert {d}/ca.pem --cert {d}/manager.pem --key {d}/manager-key.pem"
             )
     else:
-        Console().print("[red]mTLS OFF (--insecure): every port is plaintext and unauthenticated[/red]")
+        out.print("[red]mTLS OFF (--insecure): every port is plaintext and unauthenticated[/red]")
 
 
 def status(
@@ -564,7 +565,17 @@ def status(
     from infinite_llm.services.admin import cluster_state, render_status
 
     tls = load_cli_tls("client", tls_dir, insecure)
-    render_status(cluster_state(manager, tls=tls), Console())
+    render_status(cluster_state(manager, tls=tls), _stdout())
+
+
+def _stdout() -> Console:
+    """stdout for tables and address lines. Rich cuts them to 80 columns when stdout is not a terminal (a log
+    file, a pipe), which hid the log paths and metrics addresses of ``up``; there rows stay whole, unless
+    ``COLUMNS`` says otherwise."""
+    console = Console(soft_wrap=True)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(soft_wrap=True, width=400)
 
 
 def _bench():  # noqa: ANN202

@@ -56,3 +56,20 @@ def test_bad_etcd_tls_flags_of_the_manager_exit_2_before_dialling(args, message)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     flat = " ".join(proc.stderr.replace("│", " ").split())
     assert message in flat, proc.stderr
+
+
+def test_tables_are_not_cut_to_80_columns_when_stdout_is_not_a_terminal(monkeypatch):
+    from rich.table import Table
+
+    from infinite_llm.cli_mesh import _stdout
+
+    monkeypatch.delenv("COLUMNS", raising=False)  # pytest captures stdout: not a terminal
+    table = Table()
+    table.add_column("log")
+    table.add_row("/tmp/infinite-llm-mesh-0qu2z9m3/" + "x" * 100 + ".log")
+    console = _stdout()
+    with console.capture() as captured:
+        console.print(table)
+    assert "x" * 100 + ".log" in captured.get()  # whole: a log path one can open
+    monkeypatch.setenv("COLUMNS", "100")
+    assert _stdout().width == 100  # COLUMNS still decides

@@ -142,12 +142,16 @@ class Scheduler:
         """Queue a new sequence; raises ``CapacityExhausted`` if it could never fit in all of KV memory."""
         if not seq.prompt_token_ids:
             raise InvalidRequest("prompt is empty")
-        need = -(-(len(seq.prompt_token_ids) + seq.params.max_tokens) // self.blocks.block_size)
-        if need > self.blocks.num_total_blocks:
+        prompt, bs, total = len(seq.prompt_token_ids), self.blocks.block_size, self.blocks.num_total_blocks
+        need = -(-(prompt + seq.params.max_tokens) // bs)
+        if need > total:
+            # The prompt alone fits: name max_tokens (often a default the caller never set) and what would fit.
+            fits = total * bs - prompt
             raise KVCapacityExceeded(
-                f"request needs {need} rBlocks of {self.blocks.block_size} tokens, "
-                f"the KV memory holds {self.blocks.num_total_blocks} in all: it can never fit",
-                param="prompt",
+                f"request needs {need} rBlocks of {bs} tokens ({prompt} prompt + {seq.params.max_tokens} max_tokens), "
+                f"the KV memory holds {total} in all: it can never fit"
+                + (f"; max_tokens <= {fits} would" if fits > 0 else ""),
+                param="max_tokens" if fits > 0 else "prompt",
             )
         self.waiting.append(seq)
 

@@ -60,22 +60,37 @@ def sampling_to_proto(
     min_tokens: int = 0,
     json_schema: str | None = None,
 ) -> gpb.SamplingParams:
-    msg = gpb.SamplingParams(
-        max_tokens=max_tokens,
-        stop=list(stop),
-        stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        logit_bias=logit_bias or {},
-        min_tokens=min_tokens,
-        json_schema=json_schema or "",
-    )
-    optional = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "logprobs": logprobs}
-    optional |= {"prompt_logprobs": prompt_logprobs, "repetition_penalty": repetition_penalty}
-    for name, value in optional.items():
-        if value is not None:
-            setattr(msg, name, value)
+    """The message of these parameters (the SDK's encoder; the servers validate the values).
+
+    Raises ``InvalidRequest`` naming the parameter when a value cannot be put on the wire at all (an int
+    past the field's range, a wrong type): protobuf's own ``ValueError``/``TypeError`` names none.
+    """
+    fields = {
+        "max_tokens": max_tokens,
+        "stop": list(stop),
+        "stop_token_ids": list(stop_token_ids),
+        "ignore_eos": ignore_eos,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "logit_bias": logit_bias or {},
+        "min_tokens": min_tokens,
+        "json_schema": json_schema or "",
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "repetition_penalty": repetition_penalty,
+    }
+    msg = gpb.SamplingParams()
+    for name, value in fields.items():
+        if value is None:  # an optional left unset: the core default
+            continue
+        try:
+            msg.MergeFrom(gpb.SamplingParams(**{name: value}))
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest(f"{name} {value!r:.40} cannot be sent: {e}", param=name) from None
     return msg
 
 

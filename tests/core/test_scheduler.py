@@ -3,7 +3,7 @@
 import pytest
 
 from infinite_llm.core.dist_attention import DistAttention
-from infinite_llm.core.errors import CapacityExhausted, InvalidRequest
+from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, KVCapacityExceeded
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
 from infinite_llm.core.rmanager import KVLayout, RManager
 from infinite_llm.core.sampling import SamplingParams
@@ -192,3 +192,19 @@ def test_an_unreachable_placement_defers_only_the_sequences_that_need_new_blocks
         ("c", 0, 3),
     ]
     assert [b.block_id for b in kv.block_table("a")] == [0, 2]
+
+
+def test_a_request_larger_than_all_kv_memory_names_max_tokens_when_the_prompt_alone_fits():
+    sched, kv = _sched(num_blocks=4)  # 16 tokens in all
+    with pytest.raises(KVCapacityExceeded) as e:
+        sched.add(_seq("a", 10, max_tokens=8))  # 18 tokens: 5 rBlocks
+    assert e.value.param == "max_tokens"
+    assert str(e.value) == (
+        "request needs 5 rBlocks of 4 tokens (10 prompt + 8 max_tokens), the KV memory holds 4 in all: "
+        "it can never fit; max_tokens <= 6 would"
+    )
+    with pytest.raises(KVCapacityExceeded) as e:
+        sched.add(_seq("b", 16, max_tokens=1))  # the prompt alone fills every rBlock
+    assert e.value.param == "prompt" and str(e.value).endswith("it can never fit")
+    sched.add(_seq("c", 10, max_tokens=6))  # exactly all of it: admitted
+    assert not sched.running and len(sched.waiting) == 1 and kv.num_free_blocks == 4
