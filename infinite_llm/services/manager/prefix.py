@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, NotFound, Unavailable
 from infinite_llm.core.prefix_cache import HASH_BYTES, BlockHash
 from infinite_llm.services.manager.ledger import LedgerRecord
-from infinite_llm.services.manager.prefix_index import PrefixIndex
+from infinite_llm.services.manager.prefix_index import MAX_TXN_OPS, PrefixIndex
 from infinite_llm.services.manager.records import Grant, LedgerEntries, check_id
 from infinite_llm.state.etcd_store import EtcdStore
 
@@ -65,13 +65,16 @@ class PrefixCaching:
         if hashes:
             self._uncached.setdefault(server_id, set()).update(hashes)
 
-    def evicted(self) -> list[BlockHash]:
-        """Hashes servers reported gone whose entry still names that server: the next ledger write drops
-        them from the index in its own transaction (:meth:`~.ledger.Ledger.swap` ``also``), then
-        :meth:`unindexed`. A reservation that evicts rBlocks is followed by its placement's ledger write, so
-        they leave the index in the transaction that records the placement they made room for."""
+    def evicted(self, limit: int = MAX_TXN_OPS - 1) -> list[BlockHash]:
+        """Up to ``limit`` hashes servers reported gone whose entry still names that server: the next ledger
+        write drops them from the index in its own transaction (:meth:`~.ledger.Ledger.swap` ``also``; the
+        limit leaves room for the ledger's own write in etcd's ``MAX_TXN_OPS``), then :meth:`unindexed`. A
+        reservation that evicts rBlocks is followed by its placement's ledger write, so they leave the index in
+        the transaction that records the placement they made room for (past the limit: at the next write,
+        match or publish)."""
         index = self.index
-        return [h for server_id, hashes in self._uncached.items() for h in hashes if index.server_of(h) == server_id]
+        gone = (h for server_id, hashes in self._uncached.items() for h in hashes if index.server_of(h) == server_id)
+        return list(itertools.islice(gone, limit))
 
     def unindexed(self, hashes: Sequence[BlockHash]) -> None:
         """``hashes`` left etcd's index (a committed transaction carried :meth:`evicted`'s deletions)."""

@@ -20,6 +20,9 @@ from infinite_llm.services.manager.records import LEADER_KEY
 from infinite_llm.state.etcd_store import EtcdStore, Op
 
 PREFIX_INDEX_PREFIX = "prefix/"
+# etcd refuses a transaction of more writes than its --max-txn-ops (default 128: "too many operations in txn
+# request"); the index writes in transactions of at most this many.
+MAX_TXN_OPS = 128
 
 
 def index_key(block_hash: BlockHash) -> str:
@@ -69,23 +72,26 @@ class PrefixIndex:
         """Index ``(hash, server_id)`` pairs whose hash is not indexed yet, in one fenced transaction;
         returns the hashes added (one copy per hash: a hash indexed meanwhile is skipped)."""
         new = {h: s for h, s in entries if h not in self._servers}
-        if not new:
-            return []
-        await self._fenced([Op.put(index_key(h), s.encode()) for h, s in new.items()])
-        self._servers.update(new)
+        items = list(new.items())
+        for start in range(0, len(items), MAX_TXN_OPS):  # a step may complete more rBlocks than one txn holds
+            chunk = items[start : start + MAX_TXN_OPS]
+            await self._fenced([Op.put(index_key(h), s.encode()) for h, s in chunk])
+            self._servers.update(chunk)
         return list(new)
 
     async def remove(self, hashes: Sequence[BlockHash]) -> int:
-        """Drop ``hashes`` (evicted, or found stale on their server) in one fenced transaction."""
+        """Drop ``hashes`` (evicted, or found stale on their server) in fenced transactions of at most
+        ``MAX_TXN_OPS`` deletions."""
         gone = [h for h in dict.fromkeys(hashes) if h in self._servers]
-        if gone:
-            await self._fenced([Op.delete(index_key(h)) for h in gone])
-            for h in gone:
-                del self._servers[h]
+        for start in range(0, len(gone), MAX_TXN_OPS):
+            chunk = gone[start : start + MAX_TXN_OPS]
+            await self._fenced([Op.delete(index_key(h)) for h in chunk])
+            self.forget(chunk)
         return len(gone)
 
     def deletions(self, hashes: Sequence[BlockHash]) -> list[Op]:
-        """The etcd writes that drop ``hashes`` (for another fenced transaction to carry); then :meth:`forget`."""
+        """The etcd writes that drop ``hashes`` (for another fenced transaction to carry, which must stay within
+        ``MAX_TXN_OPS`` writes); then :meth:`forget`."""
         return [Op.delete(index_key(h)) for h in hashes]
 
     def forget(self, hashes: Sequence[BlockHash]) -> None:

@@ -12,7 +12,7 @@ from infinite_llm.core.errors import InvalidRequest, PermissionDenied, Unavailab
 from infinite_llm.core.prefix_cache import block_hashes
 from infinite_llm.services.manager import Grant
 from infinite_llm.services.manager.computes import ComputeInfo
-from infinite_llm.services.manager.prefix_index import PREFIX_INDEX_PREFIX
+from infinite_llm.services.manager.prefix_index import MAX_TXN_OPS, PREFIX_INDEX_PREFIX
 
 from .helpers import make_servers, running_manager, wait_for
 
@@ -109,6 +109,29 @@ def test_rblocks_a_placement_evicts_leave_the_index_in_the_transaction_that_reco
             assert changes[("delete", PREFIX_INDEX_PREFIX + H[0].hex())] == ledger_revision
             assert await m.prefix.match("r", H) == []  # the chain starts at H[0]: a miss
             assert (m.prefix.index.server_of(H[1]), servers.rmanagers["a"].pool.num_cached_free) == ("a", 2)
+
+    asyncio.run(scenario())
+
+
+def test_more_rblocks_than_one_etcd_transaction_holds_are_indexed_and_evicted(etcd_server, etcd_prefix):
+    """etcd refuses a transaction of more than 128 writes: a step that completes 300 rBlocks, and a placement
+    that evicts them all, still index and unindex every one (in transactions of at most MAX_TXN_OPS)."""
+
+    async def scenario():
+        n = 300
+        hashes = block_hashes(list(range(n * 4)), 4, "m")
+        servers = make_servers({"a": n})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.place("w", n)
+            assert await m.prefix.publish([("w", i, hashes[i], "a") for i in range(n)]) == n
+            store = m.prefix.index._store
+            assert len((await store.get_prefix(PREFIX_INDEX_PREFIX)).items) == n
+            await m.release("w")  # all parked
+            assert len(await m.place("x", n)) == 1  # evicts all 300: the ledger write takes 127 of them along
+            assert len((await store.get_prefix(PREFIX_INDEX_PREFIX)).items) == n - (MAX_TXN_OPS - 1)
+            assert await m.prefix.flush_uncached() == n - (MAX_TXN_OPS - 1)  # the rest in chunks
+            assert (await store.get_prefix(PREFIX_INDEX_PREFIX)).items == [] and m.prefix.blocks_per_server() == {}
+            assert await m.release("x") == n
 
     asyncio.run(scenario())
 
