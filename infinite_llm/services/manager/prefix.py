@@ -65,13 +65,13 @@ class PrefixCaching:
         if hashes:
             self._uncached.setdefault(server_id, set()).update(hashes)
 
-    def evicted(self, limit: int = MAX_TXN_OPS - 1) -> list[BlockHash]:
+    def evicted(self, limit: int | None = MAX_TXN_OPS - 1) -> list[BlockHash]:
         """Up to ``limit`` hashes servers reported gone whose entry still names that server: the next ledger
         write drops them from the index in its own transaction (:meth:`~.ledger.Ledger.swap` ``also``; the
         limit leaves room for the ledger's own write in etcd's ``MAX_TXN_OPS``), then :meth:`unindexed`. A
         reservation that evicts rBlocks is followed by its placement's ledger write, so they leave the index in
         the transaction that records the placement they made room for (past the limit: at the next write,
-        match or publish)."""
+        match or publish; ``None``: all of them)."""
         index = self.index
         gone = (h for server_id, hashes in self._uncached.items() for h in hashes if index.server_of(h) == server_id)
         return list(itertools.islice(gone, limit))
@@ -87,11 +87,8 @@ class PrefixCaching:
 
     async def flush_uncached(self) -> int:
         """Unindex what servers reported gone (entries still naming that server); returns how many."""
-        pending, self._uncached = self._uncached, {}
-        gone = 0
-        for server_id, hashes in pending.items():
-            gone += await self.index.remove([h for h in hashes if self.index.server_of(h) == server_id])
-        return gone
+        gone, self._uncached = self.evicted(limit=None), {}
+        return await self.index.remove(gone)
 
     async def drop_server(self, server_id: str) -> int:
         """A server left the cluster: its KV died with it, so its entries leave the index."""
