@@ -39,6 +39,7 @@ class Leadership:
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
         self.token: int | None = None  # mod_revision of our leader key while we lead
+        self.leading_since: float | None = None  # time.monotonic() when this term began (None: not leading)
         self._keep_alive: asyncio.Task | None = None
 
     @property
@@ -56,12 +57,16 @@ class Leadership:
             await self.close(resign=False)
             await self._open_session()
             result = await self._try_create()
+        before = self.token
         if result.succeeded:
             self.token = result.revision
         else:
             holder = result.gets[0]
             self.token = holder.mod_revision if holder and holder.lease == self.lease_id else None
-        if self.token is not None:
+        if self.token is None:
+            self.leading_since = None
+        elif self.token != before:
+            self.leading_since = time.monotonic()
             log.info("manager %s leads at revision %d", self.manager_id, self.token)
         return self.is_leader
 
@@ -101,7 +106,7 @@ class Leadership:
             NotLeader: the key is gone or belongs to another term; this manager stops believing it leads.
         """
         if holder is None or holder.mod_revision != self.token:
-            self.token = None
+            self.token = self.leading_since = None
             who = "nobody" if holder is None else holder.value.decode(errors="replace")
             raise NotLeader(f"manager {self.manager_id} lost leadership (leader key held by {who})")
 
@@ -120,7 +125,7 @@ class Leadership:
                 await self._store.revoke_lease(self.lease_id)
             except (Unavailable, NotFound) as e:  # NotFound: expired already
                 log.warning("revoking session lease of %s failed: %s", self.manager_id, e)
-        self.lease_id, self.token = None, None
+        self.lease_id, self.token, self.leading_since = None, None, None
 
     async def _open_session(self) -> None:
         self.lease_id = await self._store.grant_lease(self.ttl_s)
@@ -128,4 +133,4 @@ class Leadership:
 
     def _session_lost(self) -> None:
         log.warning("manager %s session lease expired; leadership lost", self.manager_id)
-        self.lease_id, self.token, self._keep_alive = None, None, None
+        self.lease_id, self.token, self.leading_since, self._keep_alive = None, None, None, None

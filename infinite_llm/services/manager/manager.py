@@ -12,10 +12,19 @@ a thin layer over :class:`GlobalManager`; the attention servers are reached thro
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
-from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound, PermissionDenied, Unavailable
+from infinite_llm.core.errors import (
+    CapacityExhausted,
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.computes import (
     ComputeInfo,
@@ -58,6 +67,13 @@ class ManagerConfig:
     member_ttl_s: int = 10
     leader_ttl_s: int = 10
     max_txn_attempts: int = 16
+    # After this manager starts leading, an attention server not registered (yet) counts as unknown, not lost,
+    # for this long (seconds; the serving manager uses one member lease period): its members' leases lapsed
+    # while no manager led, and they register again within a heartbeat of reaching this one, keeping their
+    # rBlocks. Meanwhile a free that would skip such a server, and a placement that finds no room, are
+    # refused with ``Unavailable`` (the caller retries) instead of dropping its rBlocks from the ledger or
+    # reporting a full cluster. 0: a server not registered is lost at once.
+    settle_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_id("manager_id", self.manager_id)
@@ -68,6 +84,8 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be >= 2 s (etcd's minimum lease), got {getattr(self, name)}")
         if self.max_txn_attempts < 1:
             raise ValueError(f"max_txn_attempts must be >= 1, got {self.max_txn_attempts}")
+        if self.settle_s < 0:
+            raise ValueError(f"settle_s must be >= 0, got {self.settle_s}")
 
 
 class GlobalManager:
@@ -130,6 +148,30 @@ class GlobalManager:
     @property
     def is_leader(self) -> bool:
         return self.leadership.is_leader
+
+    @property
+    def settling(self) -> bool:
+        """Whether this manager took the lead less than ``config.settle_s`` seconds ago (see ManagerConfig)."""
+        since = self.leadership.leading_since
+        return since is not None and time.monotonic() - since < self.config.settle_s
+
+    def check_settled(self, seq_id: str, server_ids: Iterable[str]) -> None:
+        """Before freeing ``seq_id`` on ``server_ids`` where a server not registered would be skipped as lost.
+
+        Raises:
+            Unavailable: this manager is :attr:`settling` and one of them has not registered again yet (it
+                may hold the sequence's rBlocks still; dropping them from the ledger would leave them to
+                collide with the sequence's next placement). Nothing changed; retry shortly.
+        """
+        if not self.settling:
+            return
+        live = {m.info.server_id for m in self.members()}
+        unknown = sorted(set(server_ids) - live)
+        if unknown:
+            raise Unavailable(
+                f"cannot free {seq_id!r} yet: attention servers {unknown} have not registered again since this "
+                f"manager took the lead; retry shortly"
+            )
 
     async def _load_placed(self) -> None:
         self._placed = blocks_per_server(await self.ledger.read_all())
@@ -272,6 +314,7 @@ class GlobalManager:
             InvalidRequest: bad ``seq_id`` or ``n_blocks <= 0``.
             PermissionDenied: ``owner`` or the sequence's recorded owner is live under another identity.
             CapacityExhausted: the cluster cannot hold them; no reservation or ledger change remains.
+                ``Unavailable`` instead while this manager is :attr:`settling` (retry shortly).
             NotLeader: this manager does not lead (nothing remains reserved).
             Unavailable: etcd failed (reservations cancelled), or a server died between reserve and commit
                 (the ledger keeps the placement: ``release`` the sequence).
@@ -300,7 +343,12 @@ class GlobalManager:
         elif placed > first_index:
             record = await self._truncate(record, first_index)
         homes, lenders = await self.rebalancer.placement_targets(owner, n_blocks) if owner else ((), None)
-        held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near, homes, lenders)
+        try:
+            held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near, homes, lenders)
+        except CapacityExhausted as e:
+            if self.settling:  # the servers holding the cluster's free rBlocks may not have registered yet
+                raise Unavailable(f"{e} (servers are registering again since this manager took the lead)") from e
+            raise
         try:
             await self._record(record, [(h.server_id, h.n_blocks) for h in held], owner)
         except BaseException:
@@ -317,8 +365,11 @@ class GlobalManager:
         ledger write and the commit. Free them on their servers, set the ledger to what the servers still
         hold, and return the record as written; the caller then places the blocks again.
 
-        A server that cannot be reached keeps its count (its rBlocks are reclaimed with it)."""
+        A server that cannot be reached keeps its count (its rBlocks are reclaimed with it). Raises
+        ``Unavailable`` (nothing changed) for a server not registered again since this manager took the lead
+        (:meth:`check_settled`): it may hold rBlocks at the indices about to be placed again."""
         log.info("Place of %s at block %d again: dropping its rBlocks from there first", record.seq_id, first_index)
+        self.check_settled(record.seq_id, (server_id for server_id, _ in record.entries))
         for _ in range(self.config.max_txn_attempts):
             held: LedgerEntries = []
             for server_id, n in record.entries:
@@ -376,6 +427,8 @@ class GlobalManager:
         caller's certificate subject, as for :meth:`place` (``None``: the manager itself).
 
         Raises:
+            Unavailable: a server of the sequence has not registered again since this manager took the lead
+                (:meth:`check_settled`; nothing changed), or etcd failed.
             NotFound: the ledger has no placement for ``seq_id``.
             PermissionDenied: the sequence's owner is live under another identity.
             NotLeader: this manager does not lead.
@@ -387,6 +440,7 @@ class GlobalManager:
             if record.mod_revision == 0:
                 raise NotFound(f"no placement for sequence {seq_id!r}")
             self._check_owner(record, "", identity)
+            self.check_settled(seq_id, (server_id for server_id, _ in record.entries))
             freed += await self._free_on_servers(seq_id, record.entries)
             conflict = await self.ledger.swap(record, None)
             if conflict is None:

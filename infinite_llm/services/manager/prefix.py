@@ -154,8 +154,10 @@ class PrefixCaching:
     async def _undo(self, seq_id: str, entries: LedgerEntries, live: set[str]) -> None:
         """Free what an earlier attempt left of the new sequence ``seq_id`` on each live server of its ledger
         entry (a lost server's KV died with it). Raises ``Unavailable`` (nothing attached, the caller retries)
-        when a live server cannot be reached: attaching over leftovers would mix two attempts' blocks."""
+        when a live server cannot be reached, or one has not registered again since this manager took the
+        lead (:meth:`.GlobalManager.check_settled`): attaching over leftovers would mix two attempts' blocks."""
         log.info("sequence %s holds rBlocks at its first MatchPrefix (a lost reply); freeing them", seq_id[:64])
+        self._m.check_settled(seq_id, (server_id for server_id, _ in entries))
         for server_id, _ in entries:
             if server_id in live:
                 await self._m.block_servers.free(server_id, seq_id)

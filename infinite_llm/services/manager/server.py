@@ -97,6 +97,7 @@ async def serve(config: ManagerServerConfig) -> None:
             block_size=config.block_size,
             member_ttl_s=config.member_ttl_s,
             leader_ttl_s=config.leader_ttl_s,
+            settle_s=config.member_ttl_s,  # members whose leases lapsed with the last leader register again
         ),
     )
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from infinite_llm.core.errors import CapacityExhausted, Unavailable
+from infinite_llm.core.prefix_cache import block_hashes
 from infinite_llm.services.manager import GlobalManager, Grant, ManagerConfig, MemberInfo, NotLeader
 from infinite_llm.state.etcd_launcher import start_etcd
 
@@ -116,5 +118,55 @@ def test_member_view_and_ledger_survive_an_etcd_restart(tmp_path):
                 assert await m.place("t", 2) == [Grant("b", 2, (0, 1))]
         finally:
             etcd.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_leader_neither_drops_nor_calls_full_the_servers_not_registered_again_while_it_settles(
+    etcd_server, etcd_prefix
+):
+    """A manager restart outlasts its members' leases; the attention servers keep their rBlocks and register
+    again within a heartbeat of reaching the new leader. Until they do (``settle_s``), a free that would skip
+    them (Release, a repeated Place's truncation, a repeated MatchPrefix's undo) and a placement that finds no
+    room are refused with ``Unavailable`` and change nothing: a ledger entry dropped past a server still
+    holding its rBlocks let a preempted sequence's next placement collide with its own leftovers (a CI run
+    lost a request and another's greedy output drifted). Once the server is back the same calls succeed;
+    after the window an unregistered server counts as lost again."""
+
+    async def scenario():
+        servers = make_servers({"a": 4})
+        a = servers.rmanagers["a"]
+        hashes = block_hashes(list(range(8)), 4, "m")
+        async with running_manager(etcd_server, etcd_prefix, servers, "m1") as first:
+            await first.place("s", 2, owner="c1")
+            await first.deregister("a")  # its lease lapsed while no manager led
+        async with running_manager(etcd_server, etcd_prefix, servers, "m2", register=False, settle_s=60.0) as second:
+            assert second.settling
+            calls = {
+                "release": lambda: second.release("s"),
+                "place again": lambda: second.place("s", 1, first_index=0, owner="c1"),
+                "match again": lambda: second.prefix.match("s", hashes, owner="c1"),
+                "place new": lambda: second.place("t", 1, owner="c1"),
+            }
+            for name, call in calls.items():
+                with pytest.raises(Unavailable, match="registering again|not registered again"):
+                    await call()
+                assert (await second.cluster_state()).ledger == {"s": [("a", 2)]}, name
+                assert (a.sequences(), a.owned_blocks("s"), a.pool.num_free) == (["s"], [0, 1], 2), name
+
+            await second.register("a", "a.local:50051", 4, 4)
+            assert await second.place("s", 1, first_index=0, owner="c1") == [Grant("a", 1, (2,))]
+            assert (await second.cluster_state()).ledger == {"s": [("a", 1)]}  # truncated, then placed
+            assert await second.release("s") == 1
+            assert ((await second.cluster_state()).ledger, a.sequences(), a.pool.num_free) == ({}, [], 4)
+
+            await second.place("s", 2, owner="c1")
+            await second.deregister("a")
+            second.leadership.leading_since -= 60.0  # the window is over: a server not registered is lost
+            assert not second.settling
+            with pytest.raises(CapacityExhausted):
+                await second.place("t", 1, owner="c1")
+            assert await second.release("s") == 2  # LocalServers reaches it; over gRPC it is skipped
+            assert (await second.cluster_state()).ledger == {}
 
     asyncio.run(scenario())
