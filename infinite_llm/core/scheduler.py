@@ -139,10 +139,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; raises ``CapacityExhausted`` if it could never fit in all of KV memory."""
+        """Queue a new sequence; raises ``KVCapacityExceeded`` if it could never fit in all of KV memory, and
+        ``Unavailable`` (retry) while there is no KV memory at all (no attention server registered: a
+        cluster starting, or a global manager that took the lead and waits for its members to register)."""
         if not seq.prompt_token_ids:
             raise InvalidRequest("prompt is empty")
         prompt, bs, total = len(seq.prompt_token_ids), self.blocks.block_size, self.blocks.num_total_blocks
+        if total == 0:
+            raise Unavailable("no attention server is registered (yet): no KV memory to place the request in")
         need = -(-(prompt + seq.params.max_tokens) // bs)
         if need > total:
             # The prompt alone fits: name max_tokens (often a default the caller never set) and what would fit.

@@ -3,7 +3,7 @@
 import pytest
 
 from infinite_llm.core.dist_attention import DistAttention
-from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, KVCapacityExceeded
+from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, KVCapacityExceeded, Unavailable
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
 from infinite_llm.core.rmanager import KVLayout, RManager
 from infinite_llm.core.sampling import SamplingParams
@@ -208,3 +208,12 @@ def test_a_request_larger_than_all_kv_memory_names_max_tokens_when_the_prompt_al
     assert e.value.param == "prompt" and str(e.value).endswith("it can never fit")
     sched.add(_seq("c", 10, max_tokens=6))  # exactly all of it: admitted
     assert not sched.running and len(sched.waiting) == 1 and kv.num_free_blocks == 4
+
+
+def test_a_request_while_no_kv_memory_is_registered_is_unavailable_not_too_large():
+    """A cluster with no attention server registered (starting, or a new manager waiting for its members
+    to register again) has 0 rBlocks: that is a retryable outage, not a request that can never fit."""
+    sched, kv = _sched(num_blocks=0)
+    with pytest.raises(Unavailable, match="no attention server is registered"):
+        sched.add(_seq("a", 4, max_tokens=1))
+    assert not sched.has_unfinished()
