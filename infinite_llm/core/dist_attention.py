@@ -195,6 +195,7 @@ class DistAttention:
         self._merge = merge_fn
         self._tables: dict[str, list[BlockRef]] = {}
         self._first_index: dict[str, dict[HolderId, int]] = {}  # per sequence: holder -> its lowest index
+        self._num_here: dict[str, dict[HolderId, int]] = {}  # per sequence: holder -> rBlocks of the table there
         self._step_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._released: dict[str, dict[HolderId, int]] = {}
@@ -234,8 +235,10 @@ class DistAttention:
     def _note_first_indices(self, seq_id: str, refs: Sequence[BlockRef], start: int) -> None:
         """Record, per holder, the lowest logical index of ``seq_id`` it holds; ``refs`` begin at ``start``."""
         firsts = self._first_index.setdefault(seq_id, {})
+        counts = self._num_here.setdefault(seq_id, {})
         for i, ref in enumerate(refs, start=start):
             firsts.setdefault(ref.holder, i)
+            counts[ref.holder] = counts.get(ref.holder, 0) + 1
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     @property
@@ -300,9 +303,11 @@ class DistAttention:
         if old is None or len(old) != len(table):
             raise InvalidRequest(f"sequence {seq_id!r}: a new block table must replace one of the same length")
         firsts: dict[HolderId, int] = {}
+        counts: dict[HolderId, int] = {}
         for i, ref in enumerate(table):
             firsts.setdefault(ref.holder, i)
-        self._tables[seq_id], self._first_index[seq_id] = list(table), firsts
+            counts[ref.holder] = counts.get(ref.holder, 0) + 1
+        self._tables[seq_id], self._first_index[seq_id], self._num_here[seq_id] = list(table), firsts, counts
 
     def free(self, seq_id: str) -> int:
         """Free every rBlock of ``seq_id`` on every holder; returns the number freed (0 if none)."""
@@ -312,6 +317,7 @@ class DistAttention:
                 self._released.pop(next(iter(self._released)))
         table = self._tables.pop(seq_id, [])
         holders = list(self._first_index.pop(seq_id, {}))
+        self._num_here.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         self._published.pop(seq_id, None)
         if not table:
@@ -357,11 +363,17 @@ class DistAttention:
 
     def holder_plans(self, seqs: list[SeqStep]) -> dict[HolderId, list[SeqStep]]:
         """The sequences of a step each holder serves (those with an rBlock below the step's context), in
-        step order. Raises :class:`InvalidRequest` when a block table is too short for its step."""
+        step order, each with ``num_blocks_here``: how many of those rBlocks the block table puts on that
+        holder (the holder checks it against what it holds). Raises :class:`InvalidRequest` when a block
+        table is too short for its step."""
         plans: dict[HolderId, list[SeqStep]] = {}
         for s in seqs:
-            for holder in self._holders_of_step(s):
-                plans.setdefault(holder, []).append(s)
+            holders = self._holders_of_step(s)
+            counts = self._num_here[s.seq_id]
+            beyond = self._tables[s.seq_id][-(-s.context_len // self.block_size) :]  # rBlocks past the step: few
+            for holder in holders:
+                n = counts[holder] - sum(1 for ref in beyond if ref.holder == holder) if beyond else counts[holder]
+                plans.setdefault(holder, []).append(SeqStep(s.seq_id, s.num_computed_tokens, s.num_new, n))
         return plans
 
     def _holders_of_step(self, s: SeqStep) -> list[HolderId]:

@@ -16,7 +16,7 @@ import torch
 
 from infinite_llm.core.attention import PartialAttentionMetadata, partial_attention, write_kv
 from infinite_llm.core.block_pool import RBlockPool, Reservation
-from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound
 from infinite_llm.core.prefix_cache import BlockHash
 
 PartialAttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -50,6 +50,11 @@ class SeqStep:
     seq_id: str
     num_computed_tokens: int
     num_new: int
+    # rBlocks the compute instance's block table puts on this holder below ceil(context_len / block_size)
+    # (None: not checked). A holder that holds a different number refuses the step (FailedPrecondition):
+    # attention over rBlocks the table does not know (a leftover of an earlier placement), or without ones it
+    # does, would drift silently.
+    num_blocks_here: int | None = None
 
     @property
     def context_len(self) -> int:
@@ -283,7 +288,8 @@ class RManager:
         Each sequence's keys are its rBlocks here with logical index below ``ceil(context_len /
         block_size)``; its new tokens whose rBlock is here get slots. A sequence with no such rBlock is an
         empty part (``lse = -inf``). Raises ``NotFound`` for a sequence that holds nothing here,
-        ``InvalidRequest`` for bad counts or a sequence listed twice.
+        ``InvalidRequest`` for bad counts or a sequence listed twice, ``FailedPrecondition`` when a sequence
+        holds another number of those rBlocks here than its ``num_blocks_here`` says.
         """
         bs = self.layout.block_size
         seen: set[str] = set()
@@ -305,6 +311,12 @@ class RManager:
                 )
             num_blocks = -(-s.context_len // bs)
             visible = [(i, b) for i, b in owned.items() if i < num_blocks]
+            if s.num_blocks_here is not None and len(visible) != s.num_blocks_here:
+                raise FailedPrecondition(
+                    f"sequence {s.seq_id!r} holds rBlocks {sorted(i for i, _ in visible)[:8]} of its first "
+                    f"{num_blocks} here, its block table puts {s.num_blocks_here} here: refusing a step that "
+                    f"would attend over other KV than the sequence's"
+                )
             idx.append([i for i, _ in visible])
             ids.append([b for _, b in visible])
             seq_slots = []

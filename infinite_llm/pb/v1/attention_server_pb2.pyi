@@ -70,14 +70,16 @@ class FreeSequenceResponse(_message.Message):
     def __init__(self, num_freed: _Optional[int] = ..., num_held: _Optional[int] = ...) -> None: ...
 
 class StepSeq(_message.Message):
-    __slots__ = ("seq_id", "num_computed_tokens", "num_new")
+    __slots__ = ("seq_id", "num_computed_tokens", "num_new", "num_blocks_here")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_HERE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_computed_tokens: int
     num_new: int
-    def __init__(self, seq_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new: _Optional[int] = ...) -> None: ...
+    num_blocks_here: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new: _Optional[int] = ..., num_blocks_here: _Optional[int] = ...) -> None: ...
 
 class StepOpen(_message.Message):
     __slots__ = ("step_id", "seqs", "num_heads", "tensor_channel", "num_kv_rows", "dtype")

@@ -35,7 +35,8 @@ def use_request_id(request_id: str):
     try:
         yield request_id
     finally:
-        _current.reset(token)
+        with contextlib.suppress(ValueError):  # a streaming handler closed from another task (its athrow runs
+            _current.reset(token)  # in that task's context): the context that held the id ends with its task
 
 
 def request_id_from(metadata: tuple | None) -> str:

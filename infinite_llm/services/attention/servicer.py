@@ -146,7 +146,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         if first.open.tensor_channel:
             await self._channel_step(first.open)  # the layers travel on the channel: nothing to yield
             return
-        seqs = [SeqStep(s.seq_id, s.num_computed_tokens, s.num_new) for s in first.open.seqs]
+        seqs = [_seq_step(s) for s in first.open.seqs]
         step, small = await self._run(self._open_step, seqs, first.open.num_heads)
         async for msg in stream:
             if msg.WhichOneof("part") != "layer":
@@ -222,7 +222,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         self, channel: TensorChannel, open_msg: pb.StepOpen, sizes: tc.StepSizes, served: threading.Event
     ) -> Exception | None:
         """Channel thread: plan the step (its error answers layer 0), then serve every layer."""
-        seqs = [SeqStep(s.seq_id, s.num_computed_tokens, s.num_new) for s in open_msg.seqs]
+        seqs = [_seq_step(s) for s in open_msg.seqs]
         try:
             with self._lock:
                 step: ServerStep | Exception = self.holder.open_step(seqs, open_msg.num_heads)
@@ -318,3 +318,12 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
             self.holder.cancel(reservation.reservation_id)
         except NotFound:
             pass  # already gone with its sequence (FreeSequence)
+
+
+def _seq_step(msg: pb.StepSeq) -> SeqStep:
+    return SeqStep(
+        msg.seq_id,
+        msg.num_computed_tokens,
+        msg.num_new,
+        msg.num_blocks_here if msg.HasField("num_blocks_here") else None,
+    )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from infinite_llm.core.errors import InfiniteLLMError, NotFound, QueueFull, Unavailable
+from infinite_llm.core.errors import FailedPrecondition, InfiniteLLMError, NotFound, QueueFull, Unavailable
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import LLMEngine, RequestOutput
 from infinite_llm.observability.metrics import EngineMetrics
@@ -181,8 +181,8 @@ class EngineLoop:
                 outputs = self.engine.step(self._interrupt)
             if self.engine.num_interrupted_steps == interrupted:  # a cut step (an abort) is no step's pace
                 self.steps, self.step_seconds = self.steps + 1, self.step_seconds + time.perf_counter() - started
-        except (Unavailable, NotFound) as e:  # a server unreachable, or one that lost (fenced) our KV
-            self._recover(e)
+        except (Unavailable, NotFound, FailedPrecondition) as e:  # a server unreachable, one that lost (fenced)
+            self._recover(e)  # our KV, or one whose rBlocks of a sequence are not what its block table says
             return
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the process
             log.exception("engine step failed; failing %d requests", len(self._sinks))
@@ -249,10 +249,12 @@ class EngineLoop:
             if out.first_scheduled_time is not None:
                 m.queue.observe(out.first_scheduled_time - out.arrival_time)
 
-    def _recover(self, error: Unavailable | NotFound) -> None:
+    def _recover(self, error: Unavailable | NotFound | FailedPrecondition) -> None:
         """An attention server became unreachable mid-step, or no longer knows a sequence (it was fenced
-        after a pause past its lease and rejoined empty): its KV is gone. Recompute every running sequence
-        from its tokens on the servers that remain (greedy output stays identical); give up after
+        after a pause past its lease and rejoined empty): its KV is gone; or one refused a step because it
+        holds other rBlocks of a sequence than the block table puts there (``SeqStep.num_blocks_here``: a
+        leftover of an earlier placement), which a release frees with the rest. Recompute every running
+        sequence from its tokens on the servers that remain (greedy output stays identical); give up after
         ``MAX_RECOVERIES`` failed steps in a row."""
         self._failures += 1
         if self._failures > MAX_RECOVERIES:

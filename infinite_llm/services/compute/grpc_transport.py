@@ -48,7 +48,13 @@ def step_open(
             num_kv_rows=num_kv_rows,
             dtype=dtype,
             seqs=[
-                apb.StepSeq(seq_id=s.seq_id, num_computed_tokens=s.num_computed_tokens, num_new=s.num_new) for s in seqs
+                apb.StepSeq(
+                    seq_id=s.seq_id,
+                    num_computed_tokens=s.num_computed_tokens,
+                    num_new=s.num_new,
+                    num_blocks_here=s.num_blocks_here,
+                )
+                for s in seqs
             ],
         )
     )

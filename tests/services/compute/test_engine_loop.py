@@ -1,6 +1,8 @@
 """The compute instance's engine thread over real attention servers (gRPC on loopback): a request that fails
 alone (a bad id, a placement refused for its own sake, before or after it holds rBlocks) fails that request
-only; the requests beside it finish with the in-process engine's greedy tokens and every rBlock is freed."""
+only; the requests beside it finish with the in-process engine's greedy tokens and every rBlock is freed. A
+server holding an rBlock of a sequence that its block table does not put there refuses the step, and the loop
+recomputes instead of letting attention drift."""
 
 import threading
 
@@ -30,7 +32,13 @@ class RefusingPlacement(TablePlacement):
         if seq_id.startswith("refused-late") and first_index + n > 2:
             raise NotFound(f"no placement for sequence {seq_id!r}")
         self.servers.setdefault(seq_id, ["A", "B"] * 100)
-        return super().place(seq_id, n, first_index)
+        refs = super().place(seq_id, n, first_index)
+        if seq_id.startswith("leftover") and first_index <= 1 < first_index + n and seq_id not in self.left:
+            self.left.add(seq_id)  # A keeps an rBlock at index 1 from "an earlier placement"; the table says B
+            self.pairs["A"].reserve_commit(seq_id, [1])
+        return refs
+
+    left: set[str] = set()
 
 
 @pytest.fixture
@@ -115,3 +123,28 @@ def test_aborts_cut_a_running_step_at_most_once_per_cut_interval(make_engine):
     assert [rate_limited._interrupt() for _ in range(3)] == [True, False, False]
     assert [unlimited._interrupt() for _ in range(3)] == [True, True, True]
     engine.abort(rid)
+
+
+def test_a_server_holding_an_rblock_the_block_table_does_not_put_there_refuses_the_step_and_the_loop_recomputes(
+    loop_over_servers, make_engine
+):
+    """The collision a manager restart once caused: a sequence placed again while a server still held a
+    leftover rBlock of it at an index the new block table puts elsewhere. That server would attend over the
+    leftover too, silently (the CI run where greedy output drifted). It refuses the step (FAILED_PRECONDITION,
+    ``num_blocks_here``), the loop recomputes every running sequence (the release frees the leftover with the
+    rest), and every output equals the in-process engine's."""
+    loop, pairs = loop_over_servers
+    local = make_engine(block_size=4, num_partitions=2, num_kv_blocks=2 * BLOCKS)
+    ids = local.tokenizer.encode("the quick brown fox jumps over the lazy dog while a small cat watches " * 2)
+    prompts = {"leftover-1": ids[:6], "good-1": ids[:9]}
+    want = dict(zip(prompts, (o.token_ids for o in local.generate(list(prompts.values()), PARAMS)), strict=True))
+    sinks = {rid: Collected() for rid in prompts}
+    for rid, prompt in prompts.items():
+        loop.submit(rid, prompt, PARAMS, sinks[rid])
+    for sink in sinks.values():
+        assert sink.done.wait(120)
+    assert {rid: (s.error, s.final.token_ids) for rid, s in sinks.items()} == {rid: (None, want[rid]) for rid in want}
+    assert loop._failures == 0 and loop.engine.num_preemptions >= 2  # recomputed both, then stepped on
+    for pair in pairs.values():  # the leftover freed with the rest
+        stats = pair.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        assert (stats.num_free, stats.num_reserved, stats.num_sequences) == (BLOCKS, 0, 0)

@@ -55,7 +55,9 @@ def test_a_step_is_planned_once_per_server_with_counts_only():
     with dist.prepare(step, num_heads=4) as attention:
         for layer in range(2):
             attention(layer, torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8))
-    assert transport.opened == [{A: [step[0]], B: [step[0]], C: [step[1]]}]
+    # each with the rBlocks of its context the table puts on that holder (a on A: indices 0 and 2)
+    a_on = {h: SeqStep("a", 8, 2, num_blocks_here=n) for h, n in ((A, 2), (B, 1))}
+    assert transport.opened == [{A: [a_on[A]], B: [a_on[B]], C: [SeqStep("b", 0, 3, num_blocks_here=1)]}]
     assert transport.kv_rows == [{A: 2, B: 0, C: 3}]  # the rows each layer sends, announced at open
     assert transport.inputs == [{A: (2, 2, 2), B: (2, 0, 0), C: (3, 3, 3)}] * 2
     assert holders[A].plan_step([step[0]]).slot_mapping.tolist() == [1 * 4 + 0, 1 * 4 + 1]  # block 2 is id 1 on A
