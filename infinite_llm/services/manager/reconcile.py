@@ -12,7 +12,9 @@ per sequence; compute instances: the sequences they hold or are placing) and the
   ledger, does not list it (the owner added it before asking for its placement and keeps it until it
   released it, so a live sequence is always listed);
 - **unledgered**: rBlocks (or reservations) a server reported, before the ledger was read, for a sequence
-  with no ledger entry (committed rBlocks always follow their ledger write, DESIGN.md §5).
+  whose ledger entry does not name that server, or that has none (committed rBlocks always follow the
+  ledger write that names their server, DESIGN.md §5): e.g. a leftover of a placement whose release could
+  not reach the server, beside the rBlocks of the sequence placed again elsewhere.
 
 A suspect is reclaimed only when two consecutive passes find it with the same evidence (the same ledger
 revision; a newer report for the report-based kinds), which rules out the placements and releases in flight
@@ -53,7 +55,7 @@ class ServerReport:
 @dataclass(frozen=True)
 class Orphan:
     """Something to reclaim. ``kind``: "owner_gone" / "not_reported" (a ledger entry) or "unledgered" (a
-    sequence's rBlocks on ``server_id`` with no ledger entry)."""
+    sequence's rBlocks on ``server_id``, which its ledger entry does not name)."""
 
     kind: str
     seq_id: str
@@ -152,13 +154,14 @@ class Reconciler:
                     found[orphan] = (r.mod_revision, counter)
             elif self._suspects.get(orphan, (-1,))[0] == r.mod_revision:
                 found[orphan] = self._suspects[orphan]  # no newer report yet: still suspected
-        ledgered = {r.seq_id for r in records}
+        named = {r.seq_id: {server_id for server_id, _ in r.entries} for r in records}
         for server_id, (counter, report) in self.reports.servers.items():
             if counter > before_read:  # arrived during the read: judged next pass
                 found.update({o: ev for o, ev in self._suspects.items() if o.server_id == server_id})
                 continue
-            for seq_id in report.holds() - ledgered:
-                found[Orphan("unledgered", seq_id, server_id)] = (0, counter)
+            for seq_id in report.holds():
+                if server_id not in named.get(seq_id, ()):
+                    found[Orphan("unledgered", seq_id, server_id)] = (0, counter)
         return found
 
     def _confirms(self, orphan: Orphan, evidence: tuple[int, int]) -> bool:

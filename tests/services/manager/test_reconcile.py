@@ -111,6 +111,28 @@ def test_server_blocks_and_reservations_with_no_ledger_entry_are_freed_there(etc
     asyncio.run(scenario())
 
 
+def test_a_sequences_rblocks_on_a_server_its_ledger_entry_does_not_name_are_freed_there_only(etcd_server, etcd_prefix):
+    """A leftover beside a live sequence (its release could not reach the server, then it was placed again
+    elsewhere): freed on that server; the sequence's rBlocks where its entry says stay."""
+
+    async def scenario():
+        servers = make_servers({"a": 8, "b": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.register_compute(ComputeInfo("c1", "10.0.1.1:1"))
+            await m.place("s", 2, near="a", owner="c1")
+            rm_a, rm_b = servers.rmanagers["a"], servers.rmanagers["b"]
+            rm_b.allocate("s", [1, 2])  # the leftover
+            r = Reconciler(m, servers)
+            for expected in ([], [Orphan("unledgered", "s", "b")], []):
+                r.reports.compute("c1", ["s"])
+                _report(r, servers)
+                assert await r.run_once() == expected
+            assert (rm_a.owned_blocks("s"), rm_b.sequences(), rm_b.pool.num_free) == ([0, 1], [], 8)
+            assert (await m.cluster_state()).ledger == {"s": [("a", 2)]} and r.reclaimed == {"unledgered": 2}
+
+    asyncio.run(scenario())
+
+
 def test_a_follower_reclaims_nothing(etcd_server, etcd_prefix):
     async def scenario():
         servers = make_servers({"a": 8})
