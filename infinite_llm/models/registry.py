@@ -200,7 +200,7 @@ def load_gguf_weights(
         try:
             return load_model_config(resolved), load_file(kept)  # the GGUF is not even opened (~5 s)
         except (OSError, SafetensorError):
-            pass  # damaged (a full disk, a crash before the rename cannot leave one): dequantize again
+            pass  # damaged on disk (an interrupted write never leaves one: it renames last): dequantize again
     cfg, state_dict = load_gguf(resolved.path, dtype)
     if sum(t.numel() * t.element_size() for t in state_dict.values()) <= WEIGHT_CACHE_MAX_BYTES:
         tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
