@@ -234,16 +234,20 @@ class ManagerPlacement:
 
         If the manager stays unreachable (an outage), the holders free the rBlocks directly and the ledger
         entry is left to the manager's reconciliation (this instance no longer lists the sequence): a
-        sequence that ends during an outage neither fails nor leaks.
+        sequence that ends during an outage neither fails nor leaks. Like ``place``, it does not wait the
+        retries out again for ``PLACE_RETRY_S`` after an UNAVAILABLE (the engine thread runs it between steps).
         """
         with self._lock:
             self._held.discard(seq_id)
+        if time.monotonic() < self._away_until:
+            return self._free_on_holders(seq_id, holders)
         try:
             reply = self._call_manager("Release", mpb.ReleaseRequest(seq_id=seq_id))
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:  # already released
                 return 0
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._away_until = time.monotonic() + PLACE_RETRY_S
                 return self._free_on_holders(seq_id, holders)
             raise error_from_rpc(e) from None
         total, free, at = self._capacity

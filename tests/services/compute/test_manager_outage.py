@@ -1,6 +1,7 @@
 """A compute instance's placement while the global manager is away: retried with backoff, then
 ``Unavailable`` (the scheduler defers only the sequences that need rBlocks), at once for a moment after; a
-release the manager cannot take is not an error. Real gRPC against a port where nothing listens."""
+release the manager cannot take is not an error, and does not wait the retries out again either. Real gRPC
+against a port where nothing listens."""
 
 from __future__ import annotations
 
@@ -30,5 +31,12 @@ def test_placement_retries_an_absent_manager_then_fails_fast_for_a_moment():
 def test_a_release_the_manager_cannot_take_frees_what_it_can_and_is_no_error():
     placement = ManagerPlacement(f"127.0.0.1:{free_port()}", block_size=16, timeout_s=5.0, instance_id="c0")
     # a holder whose address this instance never learned: nothing to free directly, the reconciler will
+    start = time.monotonic()
     assert placement.release("s", [HolderId("attn-0")]) == 0
+    assert PLACE_RETRY_S <= time.monotonic() - start < PLACE_RETRY_S + 2.0  # retried with backoff
     assert placement.held_seq_ids() == []
+    start = time.monotonic()
+    assert placement.release("t", [HolderId("attn-0")]) == 0
+    assert time.monotonic() - start < 0.1  # the next release does not hold the engine thread again
+    with pytest.raises(Unavailable, match="unreachable"):
+        placement.place("u", 1, 0)  # nor the next placement
