@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
@@ -155,8 +154,9 @@ class GlobalManager:
         since = self.leadership.leading_since
         return since is not None and time.monotonic() - since < self.config.settle_s
 
-    def check_settled(self, seq_id: str, server_ids: Iterable[str]) -> None:
-        """Before freeing ``seq_id`` on ``server_ids`` where a server not registered would be skipped as lost.
+    def check_settled(self, seq_id: str, entries: LedgerEntries) -> None:
+        """Before freeing ``seq_id`` on the servers of its ledger ``entries``, where a server not registered
+        would be skipped as lost.
 
         Raises:
             Unavailable: this manager is :attr:`settling` and one of them has not registered again yet (it
@@ -166,7 +166,7 @@ class GlobalManager:
         if not self.settling:
             return
         live = {m.info.server_id for m in self.members()}
-        unknown = sorted(set(server_ids) - live)
+        unknown = sorted({server_id for server_id, _ in entries} - live)
         if unknown:
             raise Unavailable(
                 f"cannot free {seq_id!r} yet: attention servers {unknown} have not registered again since this "
@@ -369,7 +369,7 @@ class GlobalManager:
         ``Unavailable`` (nothing changed) for a server not registered again since this manager took the lead
         (:meth:`check_settled`): it may hold rBlocks at the indices about to be placed again."""
         log.info("Place of %s at block %d again: dropping its rBlocks from there first", record.seq_id, first_index)
-        self.check_settled(record.seq_id, (server_id for server_id, _ in record.entries))
+        self.check_settled(record.seq_id, record.entries)
         for _ in range(self.config.max_txn_attempts):
             held: LedgerEntries = []
             for server_id, n in record.entries:
@@ -440,7 +440,7 @@ class GlobalManager:
             if record.mod_revision == 0:
                 raise NotFound(f"no placement for sequence {seq_id!r}")
             self._check_owner(record, "", identity)
-            self.check_settled(seq_id, (server_id for server_id, _ in record.entries))
+            self.check_settled(seq_id, record.entries)
             freed += await self._free_on_servers(seq_id, record.entries)
             conflict = await self.ledger.swap(record, None)
             if conflict is None:

@@ -157,7 +157,7 @@ class PrefixCaching:
         when a live server cannot be reached, or one has not registered again since this manager took the
         lead (:meth:`.GlobalManager.check_settled`): attaching over leftovers would mix two attempts' blocks."""
         log.info("sequence %s holds rBlocks at its first MatchPrefix (a lost reply); freeing them", seq_id[:64])
-        self._m.check_settled(seq_id, (server_id for server_id, _ in entries))
+        self._m.check_settled(seq_id, entries)
         for server_id, _ in entries:
             if server_id in live:
                 await self._m.block_servers.free(server_id, seq_id)
