@@ -27,7 +27,7 @@ from infinite_llm.core.runner import Interrupt, ModelRunner, StepInterrupted, St
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.core.scheduler import BlockManager, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from infinite_llm.engine.outputs import RequestOutput, TextStopper
-from infinite_llm.engine.structured import GrammarCompiler, ThreadedMaskPrefetch
+from infinite_llm.engine.structured import GrammarCompiler, mask_prefetch_for
 
 # The model's name in the block hashes of a local engine's prefix cache: its index holds one model only.
 LOCAL_MODEL_ID = "local"
@@ -93,7 +93,8 @@ class LLMEngine:
         self.kv: KVBackend = kv if kv is not None else local_dist_attention(model.config, config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         graphs = decode_graphs(model, self.kv, config) if kv is None else None
-        self.runner = ModelRunner(model, self.kv.prepare, config.device, graphs, ThreadedMaskPrefetch())
+        prefetch = mask_prefetch_for(config.device, remote_kv=kv is not None)
+        self.runner = ModelRunner(model, self.kv.prepare, config.device, graphs, prefetch)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.num_interrupted_steps = 0

@@ -9,12 +9,13 @@ compact (``whitespace_flexible: false``): a small model left free to emit whites
 ``max_tokens`` and never close the object.
 
 The llguidance tokenizer (the vocabulary's byte strings, ~1-4 s to build) is made on the first constrained
-request and kept. Each step's masks are computed on a worker thread while the model runs the step
-(:class:`ThreadedMaskPrefetch`): llguidance releases the GIL while it computes a mask. That hides the masks
-where the forward leaves the CPU idle (a GPU's); on a CPU device the forward keeps every core busy, so the
-masks' CPU time (~0.2-0.5 ms a sequence for ``benchmarks/structured_output.py``'s schema on the 2-core
-development machine) is a real cost per step, whichever thread computes them. Source: vLLM
-``v1/structured_output/backend_guidance.py``; llguidance's docs on computing masks during the forward.
+request and kept. A step's masks are computed together by llguidance's parallel executor (the GIL
+released), on a worker thread during the forward where the forward leaves the CPU idle (a GPU's, or a
+compute instance's waiting on its attention servers), and right after the forward where torch's own threads
+already keep every core busy (a CPU forward with local KV): :class:`GuidanceMaskPrefetch`. Their CPU time
+is ~0.2-0.5 ms a sequence for ``benchmarks/structured_output.py``'s schema on the 2-core development
+machine. Source: vLLM ``v1/structured_output/backend_guidance.py``; llguidance's docs on computing masks
+during the forward.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinite_llm.core.constraints import StepMasks, TokenConstraint, fill_bitmasks
+from infinite_llm.core.constraints import StepMasks, TokenConstraint, bitmask_words, fill_bitmasks
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.engine.grammar import grammar_of
 
@@ -74,17 +75,66 @@ class GrammarCompiler:
         return GuidanceConstraint(matcher)
 
 
-class ThreadedMaskPrefetch:
-    """A :class:`~infinite_llm.core.constraints.MaskPrefetch` that computes a step's masks on one worker thread
-    (made on the first constrained step), overlapped with the model's forward on the caller's thread. Steps
-    with no constrained sequence never touch the thread."""
+def fill_guidance_bitmasks(constraints: list[TokenConstraint | None], vocab_size: int, executor) -> StepMasks | None:  # noqa: ANN001
+    """:func:`~infinite_llm.core.constraints.fill_bitmasks` with llguidance's parallel executor: the masks of
+    a step's llguidance constraints are computed at once on the executor's threads (the GIL released), one
+    row each. Any other kind of constraint in the step falls back to the one-by-one fill. ``executor``: an
+    ``llguidance.LLExecutor``. Source: ``llguidance.torch.fill_next_token_bitmask_par``, which vLLM's guidance
+    backend uses."""
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return None
+    if not all(isinstance(constraints[i], GuidanceConstraint) for i in rows):
+        return fill_bitmasks(constraints, vocab_size)
+    words = bitmask_words(vocab_size)
+    bitmask = torch.empty(len(rows), words, dtype=torch.int32)
+    matchers = [(constraints[i].matcher, j) for j, i in enumerate(rows)]
+    executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+    return StepMasks(rows, bitmask)
 
-    def __init__(self) -> None:
+
+class GuidanceMaskPrefetch:
+    """The engine's :class:`~infinite_llm.core.constraints.MaskPrefetch`: a step's masks computed by
+    :func:`fill_guidance_bitmasks` on ``num_threads`` executor threads (default: torch's intra-op thread
+    count, at most 32), either
+
+    - ``overlap=True``: on a worker thread while the model runs the step (made on the first constrained
+      step; steps with no constrained sequence never touch it). Right where the forward leaves the CPU idle:
+      a GPU's forward, or a compute instance waiting on its attention servers.
+    - ``overlap=False``: when the sampler asks for them, right after the forward. Chosen for a CPU forward
+      with local KV: torch's intra-op threads already keep every core busy, so there is nothing to hide the
+      masks behind, and a thread beside them can only stall their parallel regions, while after the forward
+      the executor has every core to itself. On the 2-core development machine the two schedules cost the
+      same within noise (``benchmarks/structured_output.py --other-prefetch-too``, steps paired: +3.2% after
+      the forward, +2.3% during it, quartiles of both about -3% to +9%).
+    """
+
+    def __init__(self, overlap: bool, num_threads: int | None = None) -> None:
+        self.overlap = overlap
+        self.num_threads = num_threads if num_threads is not None else max(1, min(torch.get_num_threads(), 32))
+        self._executor = None
         self._pool: ThreadPoolExecutor | None = None
+
+    def fill(self, constraints: list[TokenConstraint | None], vocab_size: int) -> StepMasks | None:
+        """The masks of ``constraints`` now, on the calling thread (and the executor's)."""
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(self.num_threads)
+        return fill_guidance_bitmasks(constraints, vocab_size, self._executor)
 
     def start(self, constraints: list[TokenConstraint | None], vocab_size: int) -> Callable[[], StepMasks | None]:
         if all(c is None for c in constraints):
             return lambda: None
+        constraints = list(constraints)
+        if not self.overlap:
+            return lambda: self.fill(constraints, vocab_size)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        return self._pool.submit(fill_bitmasks, list(constraints), vocab_size).result
+        return self._pool.submit(self.fill, constraints, vocab_size).result
+
+
+def mask_prefetch_for(device: str | torch.device, remote_kv: bool) -> GuidanceMaskPrefetch:
+    """The engine's mask prefetch: overlapped with the forward unless the forward runs on the CPU with
+    local KV (see :class:`GuidanceMaskPrefetch`)."""
+    return GuidanceMaskPrefetch(overlap=remote_kv or torch.device(device).type != "cpu")

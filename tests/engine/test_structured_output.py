@@ -12,7 +12,7 @@ import torch
 from infinite_llm.core.constraints import ComputeOnWait
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.sampling import SamplingParams
-from infinite_llm.engine.structured import GrammarCompiler, ThreadedMaskPrefetch
+from infinite_llm.engine.structured import GrammarCompiler, GuidanceMaskPrefetch, mask_prefetch_for
 
 SCHEMAS = [
     {"type": "object"},
@@ -71,20 +71,28 @@ def test_a_schema_that_cannot_be_enforced_is_an_invalid_request(make_engine, sch
     assert not engine.has_unfinished()
 
 
-def test_masks_computed_on_the_worker_thread_equal_those_computed_after_the_forward(default_weights):
-    """The engine's prefetch (a worker thread, during the forward) gives the same masks as computing them on
-    the engine's thread, for llguidance constraints part-way through a value; a step without constrained
-    sequences starts no thread."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_masks_from_the_parallel_executor_equal_those_computed_one_by_one(default_weights, overlap):
+    """The engine's prefetch (llguidance's parallel executor, on a worker thread during the forward or right
+    after it) gives the same masks as filling each row alone on the engine's thread, for llguidance
+    constraints part-way through a value; a step without constrained sequences starts no thread."""
     model_config, _, tokenizer = default_weights
-    prefetch = ThreadedMaskPrefetch()
+    prefetch = GuidanceMaskPrefetch(overlap=overlap, num_threads=2)
     assert prefetch.start([None, None], 8)() is None and prefetch._pool is None
     grammars, schema = GrammarCompiler(tokenizer, model_config.vocab_size), json.dumps(SCHEMAS[1])
     constraints = [grammars.constraint(schema) for _ in range(3)]
     for token in tokenizer.encode('{"name":"Ann', add_special_tokens=False):
         constraints[1].accept(token)
     rows = [constraints[0], None, constraints[1], constraints[2]]
-    threaded = prefetch.start(rows, model_config.vocab_size)()
-    on_wait = ComputeOnWait().start(rows, model_config.vocab_size)()
-    assert threaded.rows == on_wait.rows == [0, 2, 3] and torch.equal(threaded.bitmask, on_wait.bitmask)
-    assert torch.equal(threaded.bitmask[0], threaded.bitmask[2])
-    assert not torch.equal(threaded.bitmask[0], threaded.bitmask[1])  # a fresh value vs one inside a string
+    batched = prefetch.start(rows, model_config.vocab_size)()
+    assert (prefetch._pool is not None) == overlap
+    one_by_one = ComputeOnWait().start(rows, model_config.vocab_size)()
+    assert batched.rows == one_by_one.rows == [0, 2, 3] and torch.equal(batched.bitmask, one_by_one.bitmask)
+    assert torch.equal(batched.bitmask[0], batched.bitmask[2])
+    assert not torch.equal(batched.bitmask[0], batched.bitmask[1])  # a fresh value vs one inside a string
+
+
+def test_the_masks_overlap_the_forward_except_on_a_cpu_with_local_kv():
+    assert not mask_prefetch_for("cpu", remote_kv=False).overlap
+    assert mask_prefetch_for("cpu", remote_kv=True).overlap  # the forward waits on attention servers
+    assert mask_prefetch_for("cuda:0", remote_kv=False).overlap
