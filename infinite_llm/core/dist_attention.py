@@ -194,8 +194,7 @@ class DistAttention:
         self.device = torch.device(device)
         self._merge = merge_fn
         self._tables: dict[str, list[BlockRef]] = {}
-        self._first_index: dict[str, dict[HolderId, int]] = {}  # per sequence: holder -> its lowest index
-        self._num_here: dict[str, dict[HolderId, int]] = {}  # per sequence: holder -> rBlocks of the table there
+        self._spans: dict[str, dict[HolderId, _Span]] = {}  # per sequence: where each holder sits in its table
         self._step_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._released: dict[str, dict[HolderId, int]] = {}
@@ -228,17 +227,9 @@ class DistAttention:
             return False
         if len(refs) != n:
             raise InvalidRequest(f"placement returned {len(refs)} rBlocks for {n} asked for {seq_id!r}")
-        self._note_first_indices(seq_id, refs, len(table))
+        _add_spans(self._spans.setdefault(seq_id, {}), refs, len(table))
         self._tables[seq_id] = table + refs
         return True
-
-    def _note_first_indices(self, seq_id: str, refs: Sequence[BlockRef], start: int) -> None:
-        """Record, per holder, the lowest logical index of ``seq_id`` it holds; ``refs`` begin at ``start``."""
-        firsts = self._first_index.setdefault(seq_id, {})
-        counts = self._num_here.setdefault(seq_id, {})
-        for i, ref in enumerate(refs, start=start):
-            firsts.setdefault(ref.holder, i)
-            counts[ref.holder] = counts.get(ref.holder, 0) + 1
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     @property
@@ -259,7 +250,7 @@ class DistAttention:
         self._published[seq_id] = len(refs)
         if refs:
             self._tables[seq_id] = list(refs)
-            self._note_first_indices(seq_id, refs, 0)
+            _add_spans(self._spans.setdefault(seq_id, {}), refs, 0)
         return len(refs) * self.block_size
 
     def cache_computed(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
@@ -302,12 +293,9 @@ class DistAttention:
         old = self._tables.get(seq_id)
         if old is None or len(old) != len(table):
             raise InvalidRequest(f"sequence {seq_id!r}: a new block table must replace one of the same length")
-        firsts: dict[HolderId, int] = {}
-        counts: dict[HolderId, int] = {}
-        for i, ref in enumerate(table):
-            firsts.setdefault(ref.holder, i)
-            counts[ref.holder] = counts.get(ref.holder, 0) + 1
-        self._tables[seq_id], self._first_index[seq_id], self._num_here[seq_id] = list(table), firsts, counts
+        spans: dict[HolderId, _Span] = {}
+        _add_spans(spans, table, 0)
+        self._tables[seq_id], self._spans[seq_id] = list(table), spans
 
     def free(self, seq_id: str) -> int:
         """Free every rBlock of ``seq_id`` on every holder; returns the number freed (0 if none)."""
@@ -316,8 +304,7 @@ class DistAttention:
             while len(self._released) > 1024:  # kept for pop_placement only: bounded
                 self._released.pop(next(iter(self._released)))
         table = self._tables.pop(seq_id, [])
-        holders = list(self._first_index.pop(seq_id, {}))
-        self._num_here.pop(seq_id, None)
+        holders = list(self._spans.pop(seq_id, {}))
         self._hashes.pop(seq_id, None)
         self._published.pop(seq_id, None)
         if not table:
@@ -369,10 +356,11 @@ class DistAttention:
         plans: dict[HolderId, list[SeqStep]] = {}
         for s in seqs:
             holders = self._holders_of_step(s)
-            counts = self._num_here[s.seq_id]
+            spans = self._spans[s.seq_id]
             beyond = self._tables[s.seq_id][-(-s.context_len // self.block_size) :]  # rBlocks past the step: few
             for holder in holders:
-                n = counts[holder] - sum(1 for ref in beyond if ref.holder == holder) if beyond else counts[holder]
+                n = spans[holder].count
+                n -= sum(1 for ref in beyond if ref.holder == holder) if beyond else 0
                 plans.setdefault(holder, []).append(SeqStep(s.seq_id, s.num_computed_tokens, s.num_new, n))
         return plans
 
@@ -382,8 +370,7 @@ class DistAttention:
         num_blocks = -(-s.context_len // self.block_size)
         if len(table) < num_blocks:
             raise InvalidRequest(f"sequence {s.seq_id!r} has {len(table)} rBlocks for {s.context_len} tokens")
-        firsts = self._first_index[s.seq_id]
-        return [h for h, first in firsts.items() if first < num_blocks]
+        return [h for h, span in self._spans[s.seq_id].items() if span.first < num_blocks]
 
     def _index(self, rows: list[int], num_tokens: int) -> torch.Tensor | None:
         if len(rows) == num_tokens:  # rows are ascending and distinct: every row, in order
@@ -416,6 +403,21 @@ class DistAttention:
     def _count(self, started: float) -> None:
         self.fan_out_seconds += time.perf_counter() - started
         self.fan_out_count += 1
+
+
+@dataclass
+class _Span:
+    """Where one holder sits in a sequence's block table: its lowest logical index (``first``) and how many
+    of the table's rBlocks it holds (``count``)."""
+
+    first: int
+    count: int = 0
+
+
+def _add_spans(spans: dict[HolderId, _Span], refs: Sequence[BlockRef], start: int) -> None:
+    """Count ``refs`` (table entries from logical index ``start`` on) into ``spans``."""
+    for i, ref in enumerate(refs, start=start):
+        spans.setdefault(ref.holder, _Span(first=i)).count += 1
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
