@@ -388,7 +388,8 @@ class GlobalManager:
 
     async def _record(self, record: LedgerRecord, added: LedgerEntries, owner: str = "") -> None:
         """Add ``added`` to the sequence's ledger entry (fenced compare-and-swap, retried on conflicts). The
-        cached rBlocks the reservations evicted leave the prefix index in the same transaction."""
+        cached rBlocks the reservations evicted leave the prefix index in the same transaction (those past
+        etcd's transaction size in the transactions right after it)."""
         evicted = self.prefix.evicted()
         for _ in range(self.config.max_txn_attempts):
             if owner and not record.owner:
@@ -397,6 +398,7 @@ class GlobalManager:
             conflict = await self.ledger.swap(record, merge_ledger(record.entries, added), also)
             if conflict is None:
                 self.prefix.unindexed(evicted)
+                await self.prefix.flush_uncached_quietly()  # more than one transaction holds
                 return
             log.info("ledger of %s changed concurrently; retrying", record.seq_id)
             record = conflict

@@ -13,9 +13,10 @@ first, one fenced compare-and-swap; then the servers attach; a shorter attach (a
 corrects the ledger with a second swap. Eviction happens on the server, atomically with its own map, when a
 reservation needs room (least recently used among rBlocks with no reader): nothing can attach to an evicted
 rBlock, and the hashes it drops come back in the reserve reply; the placement's ledger write that follows
-deletes them from the index in its own transaction (``GlobalManager._record``). A hash evicted otherwise (an
-attach's reservation, a report that came late) leaves at the next match or publish. An index entry can
-therefore be stale for a moment; that costs a miss, never wrong KV.
+deletes them from the index in its own transaction (``GlobalManager._record``; past etcd's transaction size,
+the rest in the transactions right after it, before the placement returns). A hash a server reports in an
+attach reply (evicted by a reservation whose reply was lost, or since its last reply) leaves right after
+that match. An index entry can therefore be stale for a moment; that costs a miss, never wrong KV.
 
 Source: vLLM v1 ``kv_cache_manager.get_computed_blocks`` / ``cache_blocks`` (the same split of match and
 publish), SGLang's radix cache (LRU eviction of unreferenced nodes), over the paper's pooled rBlocks.
@@ -90,6 +91,18 @@ class PrefixCaching:
         gone, self._uncached = self.evicted(limit=None), {}
         return await self.index.remove(gone)
 
+    async def flush_uncached_quietly(self) -> int:
+        """:meth:`flush_uncached` when servers reported anything gone, after a write that already took
+        effect: a failure (etcd down, leadership lost) is logged and leaves the rest to the next write, match
+        or publish (a stale entry costs a miss, never wrong KV). Returns how many left the index."""
+        if not self._uncached:
+            return 0
+        try:
+            return await self.flush_uncached()
+        except InfiniteLLMError as e:
+            log.warning("could not unindex the rBlocks servers reported evicted (left for later): %s", e)
+            return 0
+
     async def drop_server(self, server_id: str) -> int:
         """A server left the cluster: its KV died with it, so its entries leave the index."""
         self._uncached.pop(server_id, None)
@@ -145,7 +158,7 @@ class PrefixCaching:
         attached = _per_server([(g.server_id, g.n_blocks) for g in grants])
         if attached != planned:  # a hash was evicted meanwhile: the ledger counts what was attached
             await self._write(await self._m.ledger.read(seq_id), attached, owner)
-            await self.flush_uncached()  # and the stale entry leaves the index
+        await self.flush_uncached_quietly()  # what the attach replies reported gone leaves the index now
         for server_id, n in attached:
             self._m._placed[server_id] = self._m._placed.get(server_id, 0) + n
         self.hits += sum(n for _, n in attached)

@@ -12,6 +12,7 @@ from infinite_llm.core.errors import InvalidRequest, PermissionDenied, Unavailab
 from infinite_llm.core.prefix_cache import block_hashes
 from infinite_llm.services.manager import Grant
 from infinite_llm.services.manager.computes import ComputeInfo
+from infinite_llm.services.manager.local import LocalServers
 from infinite_llm.services.manager.prefix_index import MAX_TXN_OPS, PREFIX_INDEX_PREFIX
 
 from .helpers import make_servers, running_manager, wait_for
@@ -113,9 +114,49 @@ def test_rblocks_a_placement_evicts_leave_the_index_in_the_transaction_that_reco
     asyncio.run(scenario())
 
 
+class RepliesReportEvictions(LocalServers):
+    """In-process servers that, like attention servers, report the hashes they evicted in their next attach
+    reply instead of at once."""
+
+    def __init__(self, rmanagers) -> None:  # noqa: ANN001
+        super().__init__(rmanagers)
+        self.pending: dict[str, list[bytes]] = {}
+
+    def _uncached(self, server_id: str, hashes: list[bytes]) -> None:
+        self.pending.setdefault(server_id, []).extend(hashes)
+
+    async def attach(self, server_id, seq_id, first_index, hashes):  # noqa: ANN001, ANN201
+        ids, _ = await super().attach(server_id, seq_id, first_index, hashes)
+        return ids, self.pending.pop(server_id, [])
+
+
+def test_an_eviction_an_attach_reply_reports_leaves_the_index_with_that_match(etcd_server, etcd_prefix):
+    """A full hit whose attach reply reports another cached rBlock evicted (by a reservation the manager never
+    heard of) unindexes it before the match returns, not at the next match or publish."""
+    other = block_hashes(list(range(100, 104)), 4, "m")[0]
+
+    async def scenario():
+        servers = RepliesReportEvictions(make_servers({"a": 5}).rmanagers)
+        a = servers.rmanagers["a"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _write_and_publish(m)  # "w" reads H[0..2] in blocks 0, 1, 2
+            assert await m.place("v", 1) == [Grant("a", 1, (3,))]
+            assert await m.prefix.publish([("v", 0, other, "a")]) == 1
+            await m.release("v")  # block 3 parked: the only rBlock with no reader
+            a.reserve("x", 2)  # behind the manager's back: takes the free block 4, then evicts block 3
+            assert m.prefix.index.server_of(other) == "a"  # not reported yet
+            assert await m.prefix.match("r", H[:3]) == [Grant("a", 3, (0, 1, 2))]  # its reply reports it
+            assert m.prefix.index.server_of(other) is None and m.prefix.evicted() == []
+            keys = {kv.key for kv in (await m.prefix.index._store.get_prefix(PREFIX_INDEX_PREFIX)).items}
+            assert keys == {PREFIX_INDEX_PREFIX + h.hex() for h in H[:3]}
+
+    asyncio.run(scenario())
+
+
 def test_more_rblocks_than_one_etcd_transaction_holds_are_indexed_and_evicted(etcd_server, etcd_prefix):
     """etcd refuses a transaction of more than 128 writes: a step that completes 300 rBlocks, and a placement
-    that evicts them all, still index and unindex every one (in transactions of at most MAX_TXN_OPS)."""
+    that evicts them all, still index and unindex every one (in transactions of at most MAX_TXN_OPS), all
+    before the placement returns."""
 
     async def scenario():
         n = 300
@@ -127,10 +168,20 @@ def test_more_rblocks_than_one_etcd_transaction_holds_are_indexed_and_evicted(et
             store = m.prefix.index._store
             assert len((await store.get_prefix(PREFIX_INDEX_PREFIX)).items) == n
             await m.release("w")  # all parked
-            assert len(await m.place("x", n)) == 1  # evicts all 300: the ledger write takes 127 of them along
-            assert len((await store.get_prefix(PREFIX_INDEX_PREFIX)).items) == n - (MAX_TXN_OPS - 1)
-            assert await m.prefix.flush_uncached() == n - (MAX_TXN_OPS - 1)  # the rest in chunks
-            assert (await store.get_prefix(PREFIX_INDEX_PREFIX)).items == [] and m.prefix.blocks_per_server() == {}
+            store, events = m.prefix.index._store, []
+            watch = await store.watch_prefix("", events.append)
+            try:
+                # Evicts all 300: the ledger write takes 127 of them along, the rest follow before Place returns.
+                assert len(await m.place("x", n)) == 1
+                assert (await store.get_prefix(PREFIX_INDEX_PREFIX)).items == [] and m.prefix.blocks_per_server() == {}
+                await wait_for(lambda: sum(e.kind == "delete" for e in events) == n, timeout_s=5)
+            finally:
+                await watch.cancel()
+            revisions = [e.kv.mod_revision for e in events if e.kind == "delete"]
+            (ledger_revision,) = [e.kv.mod_revision for e in events if e.kv.key == "ledger/x"]
+            assert revisions.count(ledger_revision) == MAX_TXN_OPS - 1  # in the placement's own transaction
+            assert max(revisions.count(r) for r in set(revisions)) <= MAX_TXN_OPS
+            assert await m.prefix.flush_uncached() == 0
             assert await m.release("x") == n
 
     asyncio.run(scenario())
