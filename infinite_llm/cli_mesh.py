@@ -314,6 +314,13 @@ def serve_compute(
         ),
     ] = 16,
     prefix_caching: PrefixCaching = True,
+    placement_lookahead_blocks: Annotated[
+        int,
+        typer.Option(
+            help="rBlocks a running sequence asks the manager for beyond its need in one Place (0: exact).",
+            envvar="INFINITE_LLM_PLACEMENT_LOOKAHEAD_BLOCKS",
+        ),
+    ] = 2,
     shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
@@ -345,6 +352,7 @@ def serve_compute(
             advertise_host=advertise_host,
             migration_tokens_per_step=migration_tokens_per_step,
             enable_prefix_caching=prefix_caching,
+            placement_lookahead_blocks=placement_lookahead_blocks,
             shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:

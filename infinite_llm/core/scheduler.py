@@ -42,6 +42,10 @@ class BlockManager(Protocol):
     @property
     def num_total_blocks(self) -> int: ...
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Free rBlocks as the block manager sees them (maybe stale: only a hint)."""
+
     def try_allocate(self, seq_id: str, n: int) -> bool: ...
 
     def free(self, seq_id: str) -> int: ...
@@ -118,14 +122,25 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """``max_num_batched_tokens``: per-step token budget (chunked prefill); ``max_num_seqs``: batch cap."""
+    """``max_num_batched_tokens``: per-step token budget (chunked prefill); ``max_num_seqs``: batch cap.
+
+    ``placement_lookahead_blocks``: when a running sequence needs rBlocks, ask for up to this many more in
+    the same placement (never past what its prompt + ``max_tokens`` can fill), so that a decode crosses
+    ``lookahead + 1`` block boundaries per placement instead of one. Worth it where a placement is a round
+    trip (a compute instance's ``Place`` to the global manager, an etcd transaction); 0 (exact) for
+    in-process rManagers. The extra rBlocks are asked for only while no sequence waits and the block
+    manager reports room for them; if they do not fit, the exact need is placed.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    placement_lookahead_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"scheduler limits must be >= 1, got {self}")
+        if self.placement_lookahead_blocks < 0:
+            raise ValueError(f"placement_lookahead_blocks must be >= 0, got {self.placement_lookahead_blocks}")
 
 
 class Scheduler:
@@ -173,7 +188,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, f"running sequence {seq.seq_id} has nothing to compute"
             try:
-                while not self._try_grow(seq, num_new):
+                while not self._try_grow(seq, num_new, lookahead=not self.waiting):
                     victim = self.running.pop()
                     self._preempt(victim)
                     preempted.append(victim)
@@ -233,10 +248,27 @@ class Scheduler:
         seq.num_computed_tokens = cached
         seq.num_blocks = cached // self.blocks.block_size
 
-    def _try_grow(self, seq: Sequence, num_new: int) -> bool:
-        """Give ``seq`` the rBlocks its next ``num_new`` tokens need; False (nothing changed) if none."""
-        need = max(0, -(-(seq.num_computed_tokens + num_new) // self.blocks.block_size) - seq.num_blocks)
-        if need and not self.blocks.try_allocate(seq.seq_id, need):
+    def _try_grow(self, seq: Sequence, num_new: int, lookahead: bool = False) -> bool:
+        """Give ``seq`` the rBlocks its next ``num_new`` tokens need; False (nothing changed) if none. With
+        ``lookahead``, first try up to ``placement_lookahead_blocks`` more (see :class:`SchedulerConfig`)."""
+        bs = self.blocks.block_size
+        need = max(0, -(-(seq.num_computed_tokens + num_new) // bs) - seq.num_blocks)
+        if not need:
+            return True
+        extra = 0
+        if lookahead and self.config.placement_lookahead_blocks:
+            # All it can ever fill: the prompt and every output token but the last (sampled, never attended)
+            most = -(-(len(seq.prompt_token_ids) + seq.params.max_tokens - 1) // bs)
+            extra = min(self.config.placement_lookahead_blocks, max(0, most - seq.num_blocks - need))
+            try:
+                if extra and self.blocks.num_free_blocks < need + extra:
+                    extra = 0
+            except Unavailable:  # no capacity view now: place the exact need (which may fail the same way)
+                extra = 0
+        if extra and self.blocks.try_allocate(seq.seq_id, need + extra):
+            seq.num_blocks += need + extra
+            return True
+        if not self.blocks.try_allocate(seq.seq_id, need):
             return False
         seq.num_blocks += need
         return True

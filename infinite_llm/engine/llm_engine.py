@@ -62,6 +62,9 @@ class EngineConfig:
     # Reuse the KV of full rBlocks a previous sequence computed for the same leading tokens (vLLM's
     # automatic prefix caching, on by default as there); ``--no-prefix-caching`` turns it off.
     enable_prefix_caching: bool = True
+    # rBlocks a running sequence asks for beyond its need, per placement (SchedulerConfig): 0 for local
+    # rManagers; a compute instance, whose placements are round trips to the global manager, sets it.
+    placement_lookahead_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -91,7 +94,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.kv: KVBackend = kv if kv is not None else local_dist_attention(model.config, config)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        limits = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.placement_lookahead_blocks)
+        self.scheduler = Scheduler(limits, self.kv)
         graphs = decode_graphs(model, self.kv, config) if kv is None else None
         prefetch = mask_prefetch_for(config.device, remote_kv=kv is not None)
         self.runner = ModelRunner(model, self.kv.prepare, config.device, graphs, prefetch)

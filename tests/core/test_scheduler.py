@@ -217,3 +217,66 @@ def test_a_request_while_no_kv_memory_is_registered_is_unavailable_not_too_large
     with pytest.raises(Unavailable, match="no attention server is registered"):
         sched.add(_seq("a", 4, max_tokens=1))
     assert not sched.has_unfinished()
+
+
+class _CountingPlacement(LocalPlacement):
+    """In-process placement that records each call's size (a compute instance's Place round trips)."""
+
+    def __init__(self, holders) -> None:  # noqa: ANN001
+        super().__init__(holders)
+        self.calls: list[int] = []
+
+    def place(self, seq_id, n, first_index):  # noqa: ANN001, ANN201
+        self.calls.append(n)
+        return super().place(seq_id, n, first_index)
+
+
+def _lookahead_sched(num_blocks, lookahead, budget=64):  # noqa: ANN001, ANN202
+    holders = {partition_id(0): RManager(num_blocks, LAYOUT)}
+    placement = _CountingPlacement(holders)
+    kv = DistAttention(placement, LocalTransport(holders), LAYOUT.block_size)
+    return Scheduler(SchedulerConfig(8, budget, placement_lookahead_blocks=lookahead), kv), kv, placement
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_decode_places_lookahead_blocks_beyond_its_need_but_never_past_what_it_can_fill(lookahead):
+    """Prompt 3 + 22 new tokens: the KV of 24 tokens (the last token is sampled, never attended) = 6 rBlocks
+    of 4. With lookahead 2 the decode crosses 3 block boundaries per placement, the last one capped at the 6
+    rBlocks it can ever fill."""
+    sched, kv, placement = _lookahead_sched(num_blocks=16, lookahead=lookahead)
+    a = _seq("a", 3, max_tokens=22)
+    sched.add(a)
+    tables = []
+    while a.status is not SequenceStatus.FINISHED:
+        out = sched.schedule()
+        _run(sched, out)
+        tables.append(len(kv.block_table("a")))
+        if len(a.output_token_ids) == 22:
+            sched.finish(a, "length")
+    assert placement.calls == ([1, 1, 1, 1, 1, 1] if lookahead == 0 else [1, 3, 2])
+    assert max(tables) == 6  # never more than the sequence can fill
+    assert kv.num_free_blocks == 16
+
+
+def test_lookahead_waits_while_sequences_wait_and_falls_back_to_the_exact_need():
+    # 5 rBlocks: a (prompt 4) holds 1, b (prompt 7) holds 2; a's decode needs 1 more and lookahead would ask
+    # 2 more, but b's growth must not be refused for it: only 2 are free, so a takes exactly 1.
+    sched, kv, placement = _lookahead_sched(num_blocks=5, lookahead=2)
+    a, b = _seq("a", 4, max_tokens=12), _seq("b", 7, max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    _run(sched, sched.schedule())  # prefills: a 1 block, b 2 blocks
+    assert placement.calls == [1, 2]
+    out = sched.schedule()  # a needs its 2nd block; 2 free < 1 + 2: exact
+    assert placement.calls == [1, 2, 1] and [s.seq.seq_id for s in out.scheduled] == ["a", "b"]
+    assert not out.preempted and kv.num_free_blocks == 1
+
+    # A waiting sequence holds lookahead off: c waits for room while a grows.
+    sched2, kv2, placement2 = _lookahead_sched(num_blocks=6, lookahead=2, budget=4)
+    a2, c2 = _seq("a", 4, max_tokens=12), _seq("c", 8, max_tokens=1)
+    sched2.add(a2)
+    sched2.add(c2)
+    _run(sched2, sched2.schedule())  # a's prefill takes the whole budget; c waits
+    assert list(sched2.waiting) == [c2]
+    out = sched2.schedule()  # a grows by exactly 1 while c waits; then c is admitted with the budget left
+    assert placement2.calls == [1, 1, 1] and [s.seq.seq_id for s in out.scheduled] == ["a", "c"]

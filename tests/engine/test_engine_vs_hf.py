@@ -75,6 +75,17 @@ def test_tokens_and_logits_equal_hf_around_block_boundaries(make_engine, hf_mode
     assert (ours - ref_logits).abs().max().item() < LOGITS_TOL
 
 
+def test_placement_lookahead_keeps_the_greedy_tokens_of_hf_across_block_and_partition_boundaries(make_engine, hf_model):
+    """A compute instance places 2 rBlocks beyond a decode's need (``placement_lookahead_blocks``): blocks
+    in the table past the step's context change no attention, at any prompt length around a boundary."""
+    engine = make_engine(block_size=16, num_kv_blocks=64, num_partitions=3, placement_lookahead_blocks=2)
+    ids = [_chat_prompt_of_length(engine.tokenizer, n) for n in (15, 17, 47)]
+    outs = engine.generate(ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        assert out.token_ids == hf_greedy(hf_model, prompt_ids, 40)[0], f"prompt of {len(prompt_ids)} tokens"
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
 def test_long_real_document_of_thousands_of_tokens_equals_hf(make_engine, hf_model):
     engine = make_engine(block_size=16, num_kv_blocks=400, num_partitions=4, max_num_batched_tokens=1024)
     text = open(LONG_DOCUMENT, encoding="utf-8").read()[:14000] + "\n\nIn one sentence, this license"

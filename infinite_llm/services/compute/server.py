@@ -59,6 +59,9 @@ class ComputeConfig:
     advertise_host: str = ""  # host the router reaches this instance at (default: host)
     migration_tokens_per_step: int = 16  # KV tokens a live migration moves between two steps (0 = refuse orders)
     enable_prefix_caching: bool = True  # share full prompt rBlocks across the cluster (--no-prefix-caching: off)
+    # rBlocks a running sequence asks the manager for beyond its need, so a decode crosses 3 block
+    # boundaries per Place round trip instead of 1 (SchedulerConfig.placement_lookahead_blocks)
+    placement_lookahead_blocks: int = 2
     shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, requests in flight get this long (seconds)
 
     def __post_init__(self) -> None:
@@ -76,6 +79,8 @@ class ComputeConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.placement_lookahead_blocks < 0:
+            raise ValueError(f"--placement-lookahead-blocks must be >= 0, got {self.placement_lookahead_blocks}")
 
 
 def build_engine(
@@ -104,6 +109,7 @@ def build_engine(
         max_num_batched_tokens=config.max_num_batched_tokens,
         dtype=config.dtype,
         device=config.device,
+        placement_lookahead_blocks=config.placement_lookahead_blocks,
     )
     engine = LLMEngine.from_weights(model_config, state_dict, tokenizer, engine_config, kv=kv)
     return engine, kv, resolved.name
