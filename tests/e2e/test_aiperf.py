@@ -54,9 +54,9 @@ def run_profile(aiperf: Path, gateway: str, endpoint_type: str, tmp_path: Path) 
     # aiperf 0.13 looks a tokenizer up only in the hub's cache when HF_HUB_OFFLINE is set, even a local
     # directory; without it, an absolute path loads from disk and nothing is asked of the hub.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    scratch = tmp_path / "tmp"  # aiperf leaves its memory-mapped dataset (aiperf_mmap_<id>/) in the temp dir
-    scratch.mkdir()
-    env.update(TMPDIR=str(scratch), AIPERF_DATASET_MMAP_BASE_PATH=str(scratch))
+    # aiperf leaves its memory-mapped dataset (aiperf_mmap_<id>/) in the temp dir unless told where. Not
+    # TMPDIR: aiperf's ZeroMQ ipc:// sockets live there too, and a unix socket path has at most 107 bytes.
+    env["AIPERF_DATASET_MMAP_BASE_PATH"] = str(tmp_path)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     (summary,) = out.rglob("profile_export_aiperf.json")
