@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 
-import httpx
 import torch
 from engine_throughput import prompts
 from mesh_overhead import mesh_seconds, step_ms
+from pooled_vs_static import scrape
 
 from infinite_llm.client import Client
 from infinite_llm.mesh import LocalMesh, MeshConfig
@@ -35,9 +35,7 @@ LOOKAHEAD_ENV = "INFINITE_LLM_PLACEMENT_LOOKAHEAD_BLOCKS"  # read by `serve comp
 def placements(mesh: LocalMesh) -> float:
     """The manager's ``infinite_llm:placements_total`` (successful ``Place`` calls since it started)."""
     (manager,) = [p for p in mesh.procs if p.role == "manager"]
-    text = httpx.get(f"http://{manager.metrics_address}/metrics", trust_env=False, timeout=10).text
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("infinite_llm:placements_total ")]
-    return float(line.split()[1])
+    return scrape(manager.metrics_address, "infinite_llm:placements_total")
 
 
 def measure(lookahead: int, batches: list[int], tokenizer, new_tokens: int) -> dict[int, tuple[float, float]]:  # noqa: ANN001

@@ -142,11 +142,12 @@ def main() -> None:
         make = engine.grammars.constraint
         engine.grammars.constraint = lambda schema, make=make: TimedConstraint(make(schema), mask_cpu)
         default = engine.runner.mask_prefetch
-        overlap = default.overlap if side == "constrained" else not default.overlap
-        engine.runner.mask_prefetch = TimedPrefetch(overlap, default.num_threads, mask_cpu)
+        schedule = default.overlap if side == "constrained" else not default.overlap
+        engine.runner.mask_prefetch = TimedPrefetch(schedule, default.num_threads, mask_cpu)
         sides[side] = engine
-    overlap = sides["constrained"].runner.mask_prefetch.overlap
-    engines, schemas = list(sides.values()), [None if side == "free" else SCHEMA for side in sides]
+    overlap = sides["constrained"].runner.mask_prefetch.overlap  # the engine's own schedule
+    names, engines = list(sides), list(sides.values())
+    schemas = [None if side == "free" else SCHEMA for side in names]
     prompt = free.tokenizer.encode_chat([{"role": "user", "content": ASK}])
     stepped_in_turn(engines, prompt, args.batch, 4, schemas)  # warm-up: builds the llguidance tokenizer once
     runs: dict[str, list[list[tuple[float, float]]]] = {k: [] for k in sides}
@@ -158,7 +159,7 @@ def main() -> None:
             [engines[i] for i in order], prompt, args.batch, args.tokens, [schemas[i] for i in order]
         )
         for i, t in zip(order, times, strict=True):
-            runs[list(sides)[i]].append(t)
+            runs[names[i]].append(t)
         num_constrained = len(engines) - 1  # the fill and accept times are summed over the constrained sides
         fill.append(mask_cpu["fill"] / args.tokens / num_constrained)  # every step samples, the prefill step too
         accept.append(mask_cpu["accept"] / args.tokens / num_constrained)

@@ -51,13 +51,20 @@ def fill_bitmasks(constraints: list[TokenConstraint | None], vocab_size: int) ->
     thread while the model computes the step's logits (:class:`MaskPrefetch`), as long as nobody advances
     the constraints meanwhile.
     """
+    masks = unfilled_masks(constraints, vocab_size)
+    if masks is not None:
+        for j, i in enumerate(masks.rows):
+            constraints[i].fill_bitmask(masks.bitmask[j])
+    return masks
+
+
+def unfilled_masks(constraints: list[TokenConstraint | None], vocab_size: int) -> StepMasks | None:
+    """The constrained rows of ``constraints`` with an uninitialised bitmask for them, for a filler to write;
+    None when no row is constrained."""
     rows = [i for i, c in enumerate(constraints) if c is not None]
     if not rows:
         return None
-    bitmask = torch.empty(len(rows), bitmask_words(vocab_size), dtype=torch.int32)
-    for j, i in enumerate(rows):
-        constraints[i].fill_bitmask(bitmask[j])
-    return StepMasks(rows, bitmask)
+    return StepMasks(rows, torch.empty(len(rows), bitmask_words(vocab_size), dtype=torch.int32))
 
 
 # Row v: the additive mask of byte value v's 8 tokens, 0 where bit b of v is set (allowed), -inf where not.

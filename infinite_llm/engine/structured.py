@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinite_llm.core.constraints import StepMasks, TokenConstraint, bitmask_words, fill_bitmasks
+from infinite_llm.core.constraints import StepMasks, TokenConstraint, fill_bitmasks, unfilled_masks
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.engine.grammar import grammar_of
 
@@ -81,16 +81,15 @@ def fill_guidance_bitmasks(constraints: list[TokenConstraint | None], vocab_size
     row each. Any other kind of constraint in the step falls back to the one-by-one fill. ``executor``: an
     ``llguidance.LLExecutor``. Source: ``llguidance.torch.fill_next_token_bitmask_par``, which vLLM's guidance
     backend uses."""
-    rows = [i for i, c in enumerate(constraints) if c is not None]
-    if not rows:
+    masks = unfilled_masks(constraints, vocab_size)
+    if masks is None:
         return None
-    if not all(isinstance(constraints[i], GuidanceConstraint) for i in rows):
+    if not all(isinstance(constraints[i], GuidanceConstraint) for i in masks.rows):
         return fill_bitmasks(constraints, vocab_size)
-    words = bitmask_words(vocab_size)
-    bitmask = torch.empty(len(rows), words, dtype=torch.int32)
-    matchers = [(constraints[i].matcher, j) for j, i in enumerate(rows)]
-    executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
-    return StepMasks(rows, bitmask)
+    matchers = [(constraints[i].matcher, j) for j, i in enumerate(masks.rows)]
+    bitmask = masks.bitmask
+    executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+    return masks
 
 
 class GuidanceMaskPrefetch:
