@@ -265,6 +265,21 @@ class RManager:
         self._record(seq_id, block_indices, ids)
         return ids  # type: ignore[return-value]
 
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        """The hash block ``block_id`` is cached under here, or ``None`` (a private block)."""
+        return self._hash_of_block.get(block_id)
+
+    def readers(self, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, str, int]]:
+        """``(hash, seq_id, logical index)`` of every sequence reading the cached rBlock of each of ``hashes``
+        here, grouped by hash in the given order (a hash not cached here has none)."""
+        wanted = {b: h for h in dict.fromkeys(hashes) if (b := self._block_of_hash.get(h)) is not None}
+        found: dict[BlockHash, list[tuple[BlockHash, str, int]]] = {h: [] for h in wanted.values()}
+        for seq_id, owned in self._owned.items():
+            for index, block in owned.items():
+                if block in wanted:
+                    found[wanted[block]].append((wanted[block], seq_id, index))
+        return [r for h in found for r in found[h]]
+
     def clear_cache(self) -> int:
         """Drop every hash: cached rBlocks with no reader become free, read ones private. Returns how many."""
         return len(self.pool.evict_cached())

@@ -131,6 +131,11 @@ class ManagerMetrics:
         self.migrations = Counter(P + "migrations", "rBlock migrations between servers", registry=registry)
         self.migrated_rblocks = Counter(P + "migrated_rblocks", "rBlocks moved by migrations", registry=registry)
         self.migrated_bytes = Counter(P + "migrated_bytes", "KV bytes moved by migrations", registry=registry)
+        self.reattached_rblocks = Counter(
+            P + "reattached_rblocks",
+            "Block-table entries of other readers re-attached to a shared rBlock a migration moved",
+            registry=registry,
+        )
         self.view_free = Gauge(
             P + "cluster_rblocks_free", "Free rBlocks per server (manager's view)", ["server_id"], registry=registry
         )

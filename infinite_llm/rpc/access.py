@@ -43,7 +43,8 @@ ACCESS: Mapping[str, Access] = {
     "infinite_llm.v1.AttentionServer": Access(
         _roles("manager", "compute"),
         # prefix caching: only the manager attaches or caches rBlocks, in step with its index and ledger
-        {"AttachBlocks": _roles("manager"), "CacheBlocks": _roles("manager")},
+        # (an import caches only what its source had cached: a shared rBlock moves as a cached one)
+        {"AttachBlocks": _roles("manager"), "CacheBlocks": _roles("manager"), "BlockReaders": _roles("manager")},
     ),
     "infinite_llm.v1.GlobalManager": Access(
         _roles("compute"),  # Place, Release, the compute instances' own membership

@@ -168,18 +168,20 @@ class ExportBlocksRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class BlockTransferHeader(_message.Message):
-    __slots__ = ("seq_id", "block_ids", "payload", "reservation_id", "block_indices")
+    __slots__ = ("seq_id", "block_ids", "payload", "reservation_id", "block_indices", "block_hashes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     payload: _tensor_pb2.Tensor
     reservation_id: int
     block_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., reservation_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., reservation_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class BlockTransferChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -190,12 +192,14 @@ class BlockTransferChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[BlockTransferHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ImportBlocksResponse(_message.Message):
-    __slots__ = ("seq_id", "block_ids")
+    __slots__ = ("seq_id", "block_ids", "cached_hashes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AttachBlocksRequest(_message.Message):
     __slots__ = ("seq_id", "first_block_index", "block_hashes")
@@ -230,6 +234,28 @@ class CacheBlocksResponse(_message.Message):
     CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
     cached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, cached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BlockReadersRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BlockReader(_message.Message):
+    __slots__ = ("block_hash", "seq_id", "block_index")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    seq_id: str
+    block_index: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., seq_id: _Optional[str] = ..., block_index: _Optional[int] = ...) -> None: ...
+
+class BlockReadersResponse(_message.Message):
+    __slots__ = ("readers",)
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    readers: _containers.RepeatedCompositeFieldContainer[BlockReader]
+    def __init__(self, readers: _Optional[_Iterable[_Union[BlockReader, _Mapping]]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -89,6 +89,11 @@ class AttentionServerStub:
                 request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksRequest.SerializeToString,
                 response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksResponse.FromString,
                 _registered_method=True)
+        self.BlockReaders = channel.unary_unary(
+                '/infinite_llm.v1.AttentionServer/BlockReaders',
+                request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.BlockReadersRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.BlockReadersResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/infinite_llm.v1.AttentionServer/GetStats',
                 request_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.GetStatsRequest.SerializeToString,
@@ -185,6 +190,14 @@ class AttentionServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlockReaders(self, request, context):
+        """Prefix caching, for the manager: the sequences reading each cached rBlock named by block_hashes here
+        (after a migration moved one reader's copy, the others are re-attached to the destination's copy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Capacity and occupancy, in rBlocks and bytes.
         """
@@ -249,6 +262,11 @@ def add_AttentionServerServicer_to_server(servicer, server):
                     servicer.CacheBlocks,
                     request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksRequest.FromString,
                     response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksResponse.SerializeToString,
+            ),
+            'BlockReaders': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockReaders,
+                    request_deserializer=infinite__llm_dot_v1_dot_attention__server__pb2.BlockReadersRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_attention__server__pb2.BlockReadersResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -553,6 +571,33 @@ class AttentionServer:
             '/infinite_llm.v1.AttentionServer/CacheBlocks',
             infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksRequest.SerializeToString,
             infinite__llm_dot_v1_dot_attention__server__pb2.CacheBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockReaders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.AttentionServer/BlockReaders',
+            infinite__llm_dot_v1_dot_attention__server__pb2.BlockReadersRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_attention__server__pb2.BlockReadersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -239,7 +239,7 @@ class HeartbeatComputeRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., reports_seq_ids: _Optional[bool] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
 
 class MigrationOrder(_message.Message):
-    __slots__ = ("migration_id", "seq_id", "src_server_id", "src_address", "dst_server_id", "dst_address", "reservation_ids")
+    __slots__ = ("migration_id", "seq_id", "src_server_id", "src_address", "dst_server_id", "dst_address", "reservation_ids", "block_indices", "dst_block_ids")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,8 @@ class MigrationOrder(_message.Message):
     DST_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     migration_id: int
     seq_id: str
     src_server_id: str
@@ -254,10 +256,12 @@ class MigrationOrder(_message.Message):
     dst_server_id: str
     dst_address: str
     reservation_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, migration_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., src_server_id: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_server_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., reservation_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, migration_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., src_server_id: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_server_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., reservation_ids: _Optional[_Iterable[int]] = ..., block_indices: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("migration_id", "seq_id", "src_server_id", "dst_server_id", "num_blocks", "num_moved", "bytes_moved", "error")
+    __slots__ = ("migration_id", "seq_id", "src_server_id", "dst_server_id", "num_blocks", "num_moved", "bytes_moved", "error", "cached_hashes", "block_indices")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +270,8 @@ class MigrationResult(_message.Message):
     NUM_MOVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     migration_id: int
     seq_id: str
     src_server_id: str
@@ -274,7 +280,9 @@ class MigrationResult(_message.Message):
     num_moved: int
     bytes_moved: int
     error: str
-    def __init__(self, migration_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., src_server_id: _Optional[str] = ..., dst_server_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    cached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, migration_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., src_server_id: _Optional[str] = ..., dst_server_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., error: _Optional[str] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatComputeResponse(_message.Message):
     __slots__ = ("migrations",)

@@ -160,6 +160,12 @@ class ServedRManager:
         self.rm.cache_blocks(seq_id, list(zip(block_indices, hashes, strict=True)))
         return [h for h in dict.fromkeys(hashes) if h not in known and self.rm.cached_block(h) is not None]
 
+    def block_readers(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, str, int]]:
+        """``(hash, seq_id, logical index)`` of the sequences reading the cached rBlock of each hash here
+        (:meth:`RManager.readers`). Raises ``InvalidRequest`` for a malformed hash."""
+        _check_hashes(hashes)
+        return self.rm.readers(hashes)
+
     def take_uncached(self) -> list[BlockHash]:
         """Hashes that left this server's prefix cache since the last call (the manager unindexes them)."""
         out, self._uncached = self._uncached, []
@@ -193,10 +199,13 @@ class ServedRManager:
         return self.rm.attend(layer, step.plan, query.to(device), key.to(device), value.to(device))
 
     # ---- migration -----------------------------------------------------------------------------------
-    def export_blocks(self, seq_id: str, block_ids: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
+    def export_blocks(
+        self, seq_id: str, block_ids: list[int]
+    ) -> tuple[list[int], list[int], list[BlockHash], torch.Tensor]:
         """Snapshot of ``block_ids`` (empty: all, in allocation order) of ``seq_id``.
 
-        Returns ``(block_ids, block_indices, payload)``: the ids, their logical indices, and the payload
+        Returns ``(block_ids, block_indices, block_hashes, payload)``: the ids, their logical indices, the hash
+        each is cached under here (``b""`` for a private block; prefix caching), and the payload
         ``[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` on CPU in the layout dtype,
         contiguous.
         """
@@ -210,7 +219,8 @@ class ServedRManager:
             raise InvalidRequest(f"sequence {seq_id!r} cannot export {ids}: not its own or repeated ({stray})")
         index = torch.tensor(ids, dtype=torch.int64, device=self.rm.k_cache.device)
         payload = torch.stack([self.rm.k_cache.index_select(1, index), self.rm.v_cache.index_select(1, index)])
-        return ids, self.rm.block_indices(seq_id, ids), payload.cpu()
+        hashes = [self.rm.hash_of(b) or b"" for b in ids]
+        return ids, self.rm.block_indices(seq_id, ids), hashes, payload.cpu()
 
     def begin_import(self, seq_id: str, shape: list[int], dtype: torch.dtype, reservation_id: int) -> Reservation:
         """Check a transfer's header and return the reservation its data will land in.
@@ -229,14 +239,31 @@ class ServedRManager:
             )
         return Reservation(reservation_id, ids)
 
-    def finish_import(self, reservation: Reservation, block_indices: list[int], payload: torch.Tensor) -> list[int]:
+    def finish_import(
+        self,
+        reservation: Reservation,
+        block_indices: list[int],
+        payload: torch.Tensor,
+        block_hashes: list[BlockHash] | None = None,
+    ) -> tuple[list[int], list[BlockHash]]:
         """Write ``payload`` (shape as :meth:`export_blocks`) into the reserved rBlocks, then commit them at
-        logical ``block_indices``. Raises ``InvalidRequest`` (nothing written) for NaN or inf values."""
+        logical ``block_indices``; a block with a hash in ``block_hashes`` (one per block, ``b""`` for none) is
+        then cached under it here, unless this server caches that hash already: a shared rBlock moves as a
+        cached one, so its other readers can re-attach to it. Returns ``(block ids, hashes newly cached)``.
+        Raises ``InvalidRequest`` (nothing written) for NaN or inf values, or hashes that do not fit."""
+        hashes = list(block_hashes or [])
+        if hashes and len(hashes) != len(block_indices):
+            raise InvalidRequest(f"{len(hashes)} block hashes for {len(block_indices)} blocks", param="block_hashes")
+        cached = [(i, h) for i, h in zip(block_indices, hashes, strict=False) if h]
+        _check_hashes([h for _, h in cached])
         check_payload_values(payload)
         index = torch.tensor(reservation.block_ids, dtype=torch.int64, device=self.rm.k_cache.device)
         self.rm.k_cache.index_copy_(1, index, payload[0].to(self.rm.k_cache.device))
         self.rm.v_cache.index_copy_(1, index, payload[1].to(self.rm.v_cache.device))
-        return self.commit(reservation.reservation_id, block_indices)[1]
+        seq_id, ids = self.commit(reservation.reservation_id, block_indices)
+        if not cached:
+            return ids, []
+        return ids, self.cache_blocks(seq_id, [i for i, _ in cached], [h for _, h in cached])
 
     # ---- stats ---------------------------------------------------------------------------------------
     def stats(self) -> HolderStats:

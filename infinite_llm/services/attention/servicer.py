@@ -96,6 +96,11 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         args = (request.seq_id, list(request.block_indices), list(request.block_hashes))
         return pb.CacheBlocksResponse(cached_hashes=await self._run(self.holder.cache_blocks, *args))
 
+    async def BlockReaders(self, request: pb.BlockReadersRequest, context) -> pb.BlockReadersResponse:
+        found = await self._run(self.holder.block_readers, list(request.block_hashes))
+        readers = [pb.BlockReader(block_hash=h, seq_id=s, block_index=i) for h, s, i in found]
+        return pb.BlockReadersResponse(readers=readers)
+
     async def CommitBlocks(self, request: pb.CommitBlocksRequest, context) -> pb.CommitBlocksResponse:
         seq_id, ids = await self._run(self.holder.commit, request.reservation_id, list(request.block_indices))
         return pb.CommitBlocksResponse(seq_id=seq_id, block_ids=ids)
@@ -279,10 +284,17 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         chunk_bytes = request.chunk_bytes or codec.CHUNK_BYTES
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidRequest(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-        ids, indices, payload = await self._run(self.holder.export_blocks, request.seq_id, list(request.block_ids))
+        exported = await self._run(self.holder.export_blocks, request.seq_id, list(request.block_ids))
+        ids, indices, hashes, payload = exported
         data = await self._run(codec.tensor_to_bytes, payload)
         meta = codec.tensor_meta(payload.dtype, payload.shape)
-        header = pb.BlockTransferHeader(seq_id=request.seq_id, block_ids=ids, block_indices=indices, payload=meta)
+        header = pb.BlockTransferHeader(
+            seq_id=request.seq_id,
+            block_ids=ids,
+            block_indices=indices,
+            payload=meta,
+            block_hashes=hashes if any(hashes) else [],
+        )
         yield pb.BlockTransferChunk(header=header)
         for chunk in codec.split_chunks(data, chunk_bytes):
             yield pb.BlockTransferChunk(data=chunk)
@@ -307,11 +319,12 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
                     raise InvalidRequest("an ImportBlocks stream carries exactly one header, first")
                 assembler.add(chunk.data)
             payload = codec.tensor_from_buffer(header.payload.dtype, shape, assembler.finish(), field="payload")
-            ids = await self._run(self.holder.finish_import, reservation, indices, payload)
+            hashes = list(header.block_hashes)
+            ids, cached = await self._run(self.holder.finish_import, reservation, indices, payload, hashes)
         except BaseException:  # incl. a cancelled stream: the blocks never become readable
             await asyncio.shield(self._run(self._cancel_quietly, reservation))
             raise
-        return pb.ImportBlocksResponse(seq_id=header.seq_id, block_ids=ids)
+        return pb.ImportBlocksResponse(seq_id=header.seq_id, block_ids=ids, cached_hashes=cached)
 
     def _cancel_quietly(self, reservation: Reservation) -> None:
         try:

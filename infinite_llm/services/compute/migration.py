@@ -13,11 +13,13 @@ leaves the source authoritative for what did not move (a committed copy whose so
 freed on the destination instead); the manager settles the rest from the :class:`MigrationResult` (sent
 with the next heartbeat).
 
-Shared rBlocks (prefix caching, issue 13) move as one reader's reference: the moved copy on the destination
-is private to this sequence, and freeing the source index drops only this sequence's reference; the other
-readers keep reading the cached source block (its reference count keeps it alive; unread, it is parked and
-evictable like any cached block). So no other reader's block table changes and no block is freed while read;
-the cost is that a block several sequences read does not leave the source until all of them moved.
+Shared rBlocks (prefix caching, issue 13) move with all their readers. The export carries the hash a block
+is cached under and the destination caches its copy under it; the result lists those hashes, and the
+manager then gives every other reader of the source copy a *re-attach* order (``block_indices`` set, no
+reservations): the manager has already attached the destination's copy to that reader at the same logical
+index, so its instance frees its source reference of those indices (one FreeSequence) and flips the
+entries to the destination's blocks, between two steps like a move. No other reader's table changes before
+its own order, and no block is freed while read: each reader drops its own reference only.
 """
 
 from __future__ import annotations
@@ -49,11 +51,18 @@ class Order:
     dst: str
     dst_address: str
     reservation_ids: list[int]
+    block_indices: list[int] = field(default_factory=list)  # a re-attach: the entries to flip
+    dst_block_ids: list[int] = field(default_factory=list)  # ... to these blocks (attached already)
     moved: int = 0
     bytes_moved: int = 0
     waited: int = 0
     error: str = ""
+    cached_hashes: list[bytes] = field(default_factory=list)  # moved shared rBlocks now cached on dst
     done: bool = field(default=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_indices) or len(self.reservation_ids)
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ class MigrationResult:
     num_moved: int
     bytes_moved: int
     error: str
+    cached_hashes: tuple[bytes, ...] = ()
+    block_indices: tuple[int, ...] = ()
 
 
 class MigrationExecutor:
@@ -123,13 +134,16 @@ class MigrationExecutor:
         except Exception as e:  # noqa: BLE001 - a failed migration must never fail the step loop
             log.exception("migration %d failed", order.migration_id)
             order.error = repr(e)
-        if order.error or order.moved == len(order.reservation_ids):
+        if order.error or order.moved == order.num_blocks:
             self._finish(order)
 
     def _advance(self, order: Order) -> None:
         computed = self._computed(order.seq_id)
         if computed is None:
             order.error = "the sequence is no longer running"
+            return
+        if order.block_indices:
+            self._reattach(order)
             return
         table = self.dist.block_table(order.seq_id)
         full = computed // self.dist.block_size
@@ -168,6 +182,31 @@ class MigrationExecutor:
         self.dist.replace_table(order.seq_id, table)
         order.moved += 1
         order.bytes_moved += sum(len(c.data) for c in chunks[1:])
+        order.cached_hashes.extend(reply.cached_hashes)
+
+    def _reattach(self, order: Order) -> None:
+        """Flip the order's entries that still read the source to the destination's attached blocks: one
+        FreeSequence of those indices on the source, then the table. An entry no longer on the source (it
+        moved meanwhile) ends the order there; the manager drops the unused destination references."""
+        table = self.dist.block_table(order.seq_id)
+        here = 0
+        for index in order.block_indices:
+            if index >= len(table) or table[index].holder != order.src:
+                break
+            here += 1
+        if here:
+            src = self._stub(order.src_address)
+            request = apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=order.block_indices[:here])
+            src.FreeSequence(request, timeout=self.timeout_s)  # all or nothing: a failure changes nothing
+            learn = getattr(self.dist.placement, "learn_address", None)
+            if learn is not None:
+                learn(HolderId(order.dst), order.dst_address)
+            for index, block_id in zip(order.block_indices[:here], order.dst_block_ids[:here], strict=True):
+                table[index] = BlockRef(HolderId(order.dst), BlockId(block_id))
+            self.dist.replace_table(order.seq_id, table)
+            order.moved = here
+        if here < len(order.block_indices):
+            order.error = f"rBlock {order.block_indices[here]} of the sequence is no longer on {order.src}"
 
     def _stub(self, address: str) -> agrpc.AttentionServerStub:
         """A stub on a channel kept while orders run (engine thread only; closed when the queue empties)."""
@@ -181,10 +220,12 @@ class MigrationExecutor:
             order.seq_id,
             order.src,
             order.dst,
-            len(order.reservation_ids),
+            order.num_blocks,
             order.moved,
             order.bytes_moved,
             order.error,
+            tuple(order.cached_hashes),
+            tuple(order.block_indices),
         )
         with self._lock:
             self._queue.remove(order)

@@ -121,11 +121,12 @@ class ComputeRegistrar:
     def _order(self, o: mpb.MigrationOrder) -> None:
         """Hand an order to the executor; without one, report it failed so the manager settles it."""
         order = Order(o.migration_id, o.seq_id, o.src_server_id, o.src_address, o.dst_server_id, o.dst_address,
-                      list(o.reservation_ids))  # fmt: skip
+                      list(o.reservation_ids), list(o.block_indices), list(o.dst_block_ids))  # fmt: skip
         if self.migrations is None:
             log.warning("migration order %d refused: this instance runs no migrations", o.migration_id)
-            n = len(order.reservation_ids)
-            self._refused.append(MigrationResult(o.migration_id, o.seq_id, order.src, order.dst, n, 0, 0, "refused"))
+            refused = MigrationResult(o.migration_id, o.seq_id, order.src, order.dst, order.num_blocks, 0, 0, "refused",
+                                      block_indices=tuple(order.block_indices))  # fmt: skip
+            self._refused.append(refused)
             return
         self.migrations.offer(order)
 
@@ -140,4 +141,6 @@ def result_to_proto(r: MigrationResult) -> mpb.MigrationResult:
         num_moved=r.num_moved,
         bytes_moved=r.bytes_moved,
         error=r.error,
+        cached_hashes=r.cached_hashes,
+        block_indices=r.block_indices,
     )

@@ -72,6 +72,16 @@ class GrpcBlockServers:
         request = apb.CacheBlocksRequest(seq_id=seq_id, block_indices=block_indices, block_hashes=hashes)
         return list((await self._call(server_id, "CacheBlocks", request)).cached_hashes)
 
+    async def readers(self, server_id: str, hashes: list[bytes]) -> list[tuple[bytes, str, int]]:
+        reply = await self._call(server_id, "BlockReaders", apb.BlockReadersRequest(block_hashes=hashes))
+        return [(r.block_hash, r.seq_id, r.block_index) for r in reply.readers]
+
+    async def free_blocks(self, server_id: str, seq_id: str, block_indices: list[int]) -> int:
+        if not block_indices:  # FreeSequence without indices would free the whole sequence
+            return 0
+        request = apb.FreeSequenceRequest(seq_id=seq_id, block_indices=block_indices)
+        return (await self._call(server_id, "FreeSequence", request)).num_freed
+
     async def _call(self, server_id: str, method: str, request):  # noqa: ANN001, ANN202
         try:
             return await getattr(self._stub(server_id), method)(request, timeout=CALL_TIMEOUT_S)

@@ -77,3 +77,11 @@ class LocalServers:
         known = {h for h in hashes if rm.cached_block(h) is not None}
         rm.cache_blocks(seq_id, list(zip(block_indices, hashes, strict=True)))
         return [h for h in dict.fromkeys(hashes) if h not in known and rm.cached_block(h) is not None]
+
+    async def readers(self, server_id: str, hashes: list[bytes]) -> list[tuple[bytes, str, int]]:
+        """``(hash, seq_id, logical index)`` of the sequences reading the cached rBlock of each hash."""
+        return self._get(server_id).readers(hashes)
+
+    async def free_blocks(self, server_id: str, seq_id: str, block_indices: list[int]) -> int:
+        """Free ``seq_id``'s rBlocks at logical ``block_indices``; returns how many."""
+        return self._get(server_id).free_blocks(seq_id, block_indices)

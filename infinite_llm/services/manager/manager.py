@@ -110,6 +110,7 @@ class GlobalManager:
         self._placing = KeyedLocks()  # one Place of a sequence at a time (a retry waits for the first)
         self.prefix = PrefixCaching(self, store)  # the cluster's prefix cache (MatchPrefix / PublishPrefix)
         servers.on_uncached = self.prefix.note_uncached  # evicted cached rBlocks leave the index
+        self.migrations.prefix_index = self.prefix.index  # moved shared rBlocks: the index follows them
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:

@@ -9,6 +9,16 @@ between still frees the source). The compute instance that runs the sequence rec
 (:mod:`infinite_llm.services.compute.migration`); its :class:`MigrationResult` comes back with a later
 heartbeat and :meth:`Migrations.settle` puts back in the ledger what did not move and cancels the unused
 reservations. Results are self-describing, so a manager that took over leadership settles them too.
+
+Shared rBlocks (prefix caching, issue 13) move with all their readers. The mover's copy lands on the
+destination cached under the same hash (the export carries it); its result lists those hashes, and settling
+it points the prefix index at the destination, asks the source which other sequences read each moved
+rBlock (``BlockReaders``), and gives each of them a *re-attach* order (:meth:`Migrations.reattach`): ledger
+shift first, then the manager attaches the destination's copy to the reader at the same logical index, and
+the reader's instance drops its source copy and flips that block-table entry between two steps. Once the
+last reader flipped, the source copy has no reader left and is parked (free, evicted first). A reader that
+attached to the source copy after it was asked keeps reading it (never wrong KV; the block stays until it
+ends or moves like any other).
 """
 
 from __future__ import annotations
@@ -19,11 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infinite_llm.core.errors import CapacityExhausted, NotFound, Unavailable
+from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, NotFound, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
 from infinite_llm.services.manager.placement import BlockServers
 from infinite_llm.services.manager.planner import Move
+from infinite_llm.services.manager.prefix_index import PrefixIndex
 from infinite_llm.services.manager.records import LedgerEntries
 
 log = logging.getLogger(__name__)
@@ -35,7 +46,9 @@ SETTLED_KEPT = 4096  # settled migration ids remembered against late duplicates
 
 @dataclass(frozen=True)
 class MigrationOrder:
-    """What the compute instance running ``seq_id`` is told: move one rBlock into each reservation."""
+    """What the compute instance running ``seq_id`` is told: move one rBlock into each reservation; or, for
+    a re-attach (``block_indices`` set, no reservations), point the entry of each of ``block_indices`` at
+    ``dst_block_ids`` (attached already) and free its source copy."""
 
     migration_id: int
     seq_id: str
@@ -44,6 +57,12 @@ class MigrationOrder:
     dst: str
     dst_address: str
     reservation_ids: tuple[int, ...]
+    block_indices: tuple[int, ...] = ()
+    dst_block_ids: tuple[int, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_indices) or len(self.reservation_ids)
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,8 @@ class MigrationResult:
     num_moved: int
     bytes_moved: int = 0
     error: str = ""
+    cached_hashes: tuple[bytes, ...] = ()  # moved shared rBlocks now cached on dst (their readers follow)
+    block_indices: tuple[int, ...] = ()  # a re-attach order's indices (the first num_moved flipped)
 
 
 def shifted(entries: LedgerEntries, src: str, dst: str, n: int) -> LedgerEntries:
@@ -98,6 +119,9 @@ class Migrations:
         self.migrations_total = 0  # settled migrations that moved at least one rBlock
         self.blocks_moved = 0
         self.bytes_moved = 0
+        self.readers_moved = 0  # block-table entries re-attached to a moved shared rBlock
+        # The prefix index (set by the manager): a moved shared rBlock's hash is pointed at its new server.
+        self.prefix_index: PrefixIndex | None = None
 
     def busy(self, seq_id: str) -> bool:
         """Whether a migration of ``seq_id`` is in flight (one at a time per sequence)."""
@@ -155,6 +179,9 @@ class Migrations:
             if order in orders:
                 orders.remove(order)
         back = result.num_blocks - result.num_moved
+        if result.block_indices:
+            await self._settle_reattach(result, back)
+            return
         if order is not None and back > 0:
             await self._cancel(result.dst, order.reservation_ids[result.num_moved :])
         elif order is not None:  # committed on the destination: settles a DrainGuard's count
@@ -168,6 +195,96 @@ class Migrations:
         if result.error:
             log.warning("migration %d of %s ended after %d of %d rBlocks: %s", result.migration_id, result.seq_id,
                         result.num_moved, result.num_blocks, result.error)  # fmt: skip
+        if result.cached_hashes and result.num_moved > 0:
+            await self._follow(result)
+
+    async def _settle_reattach(self, result: MigrationResult, back: int) -> None:
+        """A re-attach ended: the entries it did not flip drop their destination reference again and go back
+        to the source in the ledger (the source copy still serves them)."""
+        unused = list(result.block_indices[result.num_moved :])
+        if unused:
+            try:
+                await self._servers.free_blocks(result.dst, result.seq_id, unused)
+            except (Unavailable, NotFound, InvalidRequest) as e:  # the server died, or the sequence ended
+                log.info("re-attach %d: freeing %d unused rBlocks of %s on %s: %s", result.migration_id, back,
+                         result.seq_id, result.dst, e)  # fmt: skip
+        await self._swap(await self._ledger.read(result.seq_id), result.src, result.dst, -back, drop_empty=True)
+        self.readers_moved += result.num_moved
+        if result.error:
+            log.warning("re-attach %d of %s ended after %d of %d rBlocks: %s", result.migration_id, result.seq_id,
+                        result.num_moved, result.num_blocks, result.error)  # fmt: skip
+
+    async def _follow(self, result: MigrationResult) -> None:
+        """A migration moved shared rBlocks, now cached on ``result.dst``: point the index there and give
+        every other sequence reading the source copies a re-attach order."""
+        hashes = list(result.cached_hashes)
+        if self.prefix_index is not None:
+            await self.prefix_index.repoint(hashes, result.src, result.dst)
+        try:
+            found = await self._servers.readers(result.src, hashes)
+        except (Unavailable, NotFound, InvalidRequest) as e:
+            log.info("readers of %d moved shared rBlocks on %s: %s", len(hashes), result.src, e)
+            return
+        per_seq: dict[str, list[tuple[int, bytes]]] = {}
+        for block_hash, seq_id, index in found:
+            if seq_id != result.seq_id:
+                per_seq.setdefault(seq_id, []).append((index, block_hash))
+        for seq_id, blocks in per_seq.items():
+            await self.reattach(seq_id, result.src, result.dst, sorted(blocks))
+
+    async def reattach(self, seq_id: str, src: str, dst: str, blocks: list[tuple[int, bytes]]) -> MigrationOrder | None:
+        """Move ``seq_id``'s references to shared rBlocks from ``src`` to the copies cached on ``dst``:
+        ``blocks`` are ``(logical index, hash)``. The ledger shifts first (committed rBlocks follow their
+        ledger write), then ``dst`` attaches each hash at its index, then the order is queued for the
+        sequence's owner. Returns ``None`` (nothing changed) when the sequence has no owner, no longer holds
+        that many rBlocks on ``src``, an address is unknown, or ``dst`` attaches none.
+
+        Raises:
+            NotLeader, Unavailable (etcd): as :meth:`start` (the attached references are dropped again).
+        """
+        src_address, dst_address = self._address_of(src), self._address_of(dst)
+        record = await self._ledger.read(seq_id)
+        if (
+            src_address is None
+            or dst_address is None
+            or not record.owner
+            or dict(record.entries).get(src, 0) < len(blocks)
+        ):
+            return None
+        if not await self._swap(record, src, dst, len(blocks)):
+            return None
+        ids: list[int] = []
+        try:
+            for index, block_hash in blocks:
+                got, uncached = await self._servers.attach(dst, seq_id, index, [block_hash])
+                if uncached and self._servers.on_uncached is not None:
+                    self._servers.on_uncached(dst, uncached)
+                if not got:  # dst evicted it meanwhile: the rest stay on src
+                    break
+                ids.append(got[0])
+        except (Unavailable, NotFound, InvalidRequest) as e:
+            log.info("re-attach of %s on %s stopped after %d of %d rBlocks: %s", seq_id, dst, len(ids), len(blocks), e)
+        except BaseException:
+            await self._settle_reattach(self._unstarted(seq_id, src, dst, blocks, ids), len(blocks))
+            raise
+        if len(ids) < len(blocks):
+            short = len(blocks) - len(ids)
+            await self._swap(await self._ledger.read(seq_id), src, dst, -short, drop_empty=True)
+        if not ids:
+            return None
+        indices = tuple(i for i, _ in blocks[: len(ids)])
+        order = MigrationOrder(next(self._ids), seq_id, src, src_address, dst, dst_address, (), indices, tuple(ids))
+        self.in_flight[order.migration_id] = order
+        self._started[order.migration_id] = time.monotonic()
+        self._orders.setdefault(record.owner, []).append(order)
+        log.info("re-attach %d: %d shared rBlocks of %s %s -> %s", order.migration_id, len(ids), seq_id, src, dst)
+        return order
+
+    @staticmethod
+    def _unstarted(seq_id: str, src: str, dst: str, blocks: list[tuple[int, bytes]], ids: list[int]) -> MigrationResult:
+        """A re-attach result that flipped nothing, for undoing one that failed half-way."""
+        indices = tuple(i for i, _ in blocks[: len(ids)])
+        return MigrationResult(0, seq_id, src, dst, len(blocks), 0, 0, "", (), indices)
 
     async def expire(self, now: float | None = None, timeout_s: float = ORDER_TIMEOUT_S) -> int:
         """Settle as failed (nothing moved) the orders started more than ``timeout_s`` seconds ago: their
@@ -178,8 +295,9 @@ class Migrations:
         old = [mid for mid, at in self._started.items() if now - at > timeout_s]
         for mid in old:
             o = self.in_flight[mid]
-            n = len(o.reservation_ids)
-            await self.settle(MigrationResult(mid, o.seq_id, o.src, o.dst, n, 0, 0, "no result in time"))
+            result = MigrationResult(mid, o.seq_id, o.src, o.dst, o.num_blocks, 0, 0, "no result in time",
+                                     block_indices=o.block_indices)  # fmt: skip
+            await self.settle(result)
         return len(old)
 
     async def _reserve(self, move: Move) -> tuple[int, ...] | None:

@@ -59,6 +59,16 @@ class BlockServers(Protocol):
         """Prefix caching: mark ``seq_id``'s rBlocks at ``block_indices`` cached; returns the hashes newly cached."""
         ...
 
+    async def readers(self, server_id: str, hashes: list[bytes]) -> list[tuple[bytes, str, int]]:
+        """Prefix caching: ``(hash, seq_id, logical index)`` of each sequence reading the server's cached rBlock
+        of each of ``hashes``."""
+        ...
+
+    async def free_blocks(self, server_id: str, seq_id: str, block_indices: list[int]) -> int:
+        """Free ``seq_id``'s rBlocks at logical ``block_indices`` only (``InvalidRequest`` if one is not held
+        there); returns how many."""
+        ...
+
 
 @dataclass(frozen=True)
 class Held:

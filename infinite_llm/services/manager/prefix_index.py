@@ -79,6 +79,17 @@ class PrefixIndex:
             self._servers.update(chunk)
         return list(new)
 
+    async def repoint(self, hashes: Sequence[BlockHash], src: str, dst: str) -> list[BlockHash]:
+        """A migration moved the cached rBlocks of ``hashes`` from ``src`` to ``dst``: entries naming ``src``
+        (or none: evicted meanwhile) name ``dst`` now, in fenced transactions; an entry naming another
+        server stays. Returns the hashes written."""
+        moved = [h for h in dict.fromkeys(hashes) if self._servers.get(h) in (None, src)]
+        for start in range(0, len(moved), MAX_TXN_OPS):
+            chunk = moved[start : start + MAX_TXN_OPS]
+            await self._fenced([Op.put(index_key(h), dst.encode()) for h in chunk])
+            self._servers.update((h, dst) for h in chunk)
+        return moved
+
     async def remove(self, hashes: Sequence[BlockHash]) -> int:
         """Drop ``hashes`` (evicted, or found stale on their server) in fenced transactions of at most
         ``MAX_TXN_OPS`` deletions."""

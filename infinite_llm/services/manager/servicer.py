@@ -165,16 +165,20 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             await m.migrations.settle(
                 MigrationResult(
                     r.migration_id, r.seq_id, r.src_server_id, r.dst_server_id, r.num_blocks, r.num_moved,
-                    r.bytes_moved, r.error,
+                    r.bytes_moved, r.error, tuple(r.cached_hashes), tuple(r.block_indices),
                 )
             )  # fmt: skip
             self.metrics.migrations.inc(m.migrations.migrations_total - before)
+            if r.block_indices:  # a re-attach: no KV moved
+                self.metrics.reattached_rblocks.inc(r.num_moved)
+                continue
             self.metrics.migrated_rblocks.inc(r.num_moved)
             self.metrics.migrated_bytes.inc(r.bytes_moved)
         orders = [
             mpb.MigrationOrder(
                 migration_id=o.migration_id, seq_id=o.seq_id, src_server_id=o.src, src_address=o.src_address,
                 dst_server_id=o.dst, dst_address=o.dst_address, reservation_ids=o.reservation_ids,
+                block_indices=o.block_indices, dst_block_ids=o.dst_block_ids,
             )
             for o in m.migrations.take_orders(request.instance_id)
         ]  # fmt: skip

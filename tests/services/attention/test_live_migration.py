@@ -119,10 +119,12 @@ def test_an_order_for_a_finished_sequence_ends_without_moving(cluster):
     assert (result.num_moved, result.error) == (0, "the sequence is no longer running")
 
 
-def test_migrating_a_shared_block_moves_only_the_readers_reference(make_pair):
-    """Prefix caching: "r" reads "w"'s cached rBlocks 0, 1 on A. Migrating r's blocks to C gives r private
-    copies with the same bytes; w keeps its blocks (never freed while read), still cached, and steps on with
-    exact attention; once both end every rBlock is free again (the cached ones parked)."""
+def test_a_shared_block_moves_with_all_its_readers(make_pair):
+    """Prefix caching: "r" reads "w"'s cached rBlocks 0, 1 on A. Migrating r's blocks to C gives C a copy
+    cached under the same hashes (the export carries them); then what the manager does on settling, C's copy
+    attached to "w" and a re-attach order for w, flips w's entries to C too. A keeps only w's private tail,
+    its old shared copies parked (free); both sequences step on with exact attention over the moved KV; once
+    both end every rBlock is free again."""
     from infinite_llm.core.dist_attention import BlockId, BlockRef, HolderId
     from infinite_llm.core.prefix_cache import block_hashes
 
@@ -147,29 +149,68 @@ def test_migrating_a_shared_block_moves_only_the_readers_reference(make_pair):
     )
     assert list(cached.cached_hashes) == hashes
     assert steps.dist.match_prefix("r", tokens) == 8  # both full blocks, shared
+    for layer in range(LAYOUT.num_layers):  # r's dense reference starts from w's prefix K/V
+        steps.kv[("r", layer)] = tuple(x[:8] for x in steps.kv[("w", layer)])
     placement.servers["r"] = ["A", "A", "C"]
     assert steps.dist.try_allocate("r", 1)  # r's private tail on C
     w_blocks = [ref.block_id for ref in steps.dist.block_table("w")[:2]]
     assert [ref.block_id for ref in steps.dist.block_table("r")[:2]] == w_blocks
+    computed = {"r": 8, "w": 10}
 
-    executor = MigrationExecutor(steps.dist, {"r": 9}.get, 16, timeout_s=TIMEOUT)
+    executor = MigrationExecutor(steps.dist, computed.get, 16, timeout_s=TIMEOUT)
     rids = [pairs["C"].stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="r", num_blocks=1), timeout=TIMEOUT)
             for _ in range(2)]  # fmt: skip
     executor.offer(Order(1, "r", "A", pairs["A"].address, "C", pairs["C"].address, [r.reservation_id for r in rids]))
     executor.between_steps()
-    assert [(r.num_moved, r.error) for r in executor.take_results()] == [(2, "")]
+    (moved,) = executor.take_results()
+    assert (moved.num_moved, moved.error, list(moved.cached_hashes), moved.block_indices) == (2, "", hashes, ())
     assert [ref.holder for ref in steps.dist.block_table("r")] == ["C", "C", "C"]
-    assert [ref.block_id for ref in steps.dist.block_table("w")[:2]] == w_blocks  # the other reader's table
-    assert [_stats(pairs[s]) for s in ("A", "C")] == [(5, 3, 0), (5, 3, 0)]  # w's 3 on A; r's 3 on C
+    assert [ref.block_id for ref in steps.dist.block_table("w")[:2]] == w_blocks  # w's own order comes next
+    assert pairs["C"].stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached == 2
 
     def payload(server: str, seq_id: str, ids: list[int]) -> list[bytes]:
         request = pb.ExportBlocksRequest(seq_id=seq_id, block_ids=ids)
         return [c.data for c in pairs[server].stub.ExportBlocks(request, timeout=TIMEOUT)][1:]
 
     r_blocks = [ref.block_id for ref in steps.dist.block_table("r")[:2]]
-    assert payload("C", "r", r_blocks) == payload("A", "w", w_blocks)  # r's private copies: the same bytes
-    steps.step([SeqStep("w", 10, 1)])  # w reads its cached blocks on: exact attention, or it raises
+    assert payload("C", "r", r_blocks) == payload("A", "w", w_blocks)  # the same bytes
+
+    # The manager's part on settling: who else reads A's copies, and C's copies attached to them.
+    readers = pairs["A"].stub.BlockReaders(pb.BlockReadersRequest(block_hashes=hashes), timeout=TIMEOUT).readers
+    assert [(r.block_hash, r.seq_id, r.block_index) for r in readers] == [(hashes[0], "w", 0), (hashes[1], "w", 1)]
+    attach = pb.AttachBlocksRequest(seq_id="w", first_block_index=0, block_hashes=hashes)
+    attached = list(pairs["C"].stub.AttachBlocks(attach, timeout=TIMEOUT).block_ids)
+    assert attached == r_blocks
+    executor.offer(Order(2, "w", "A", pairs["A"].address, "C", pairs["C"].address, [], [0, 1], attached))
+    executor.between_steps()
+    (reattached,) = executor.take_results()
+    assert (reattached.num_moved, reattached.error, reattached.block_indices) == (2, "", (0, 1))
+    assert [ref.holder for ref in steps.dist.block_table("w")] == ["C", "C", "A"]
+    assert [ref.block_id for ref in steps.dist.block_table("w")[:2]] == r_blocks
+    # A: w's private tail only (its old shared copies parked: free, still cached); C: r's 3, two of them read by w.
+    assert [_stats(pairs[s]) for s in ("A", "C")] == [(7, 1, 0), (5, 3, 0)]
+    assert pairs["A"].stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached == 2
+
+    steps.step([SeqStep("w", 10, 1), SeqStep("r", 8, 2)])  # exact attention for both, or it raises
+    steps.step([SeqStep("w", 11, 1), SeqStep("r", 10, 1)])
     steps.dist.free("w")
+    assert _stats(pairs["C"]) == (5, 3, 0)  # r still reads them
     steps.dist.free("r")
     assert [_stats(pairs[s]) for s in ("A", "C")] == [(8, 0, 0), (8, 0, 0)]
-    assert pairs["A"].stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached == 2  # parked, free
+
+
+def test_a_reattach_order_stops_at_an_entry_no_longer_on_the_source(make_pair):
+    """The reader's entry 0 moved elsewhere meanwhile: the order flips nothing, frees nothing, and says why."""
+    pairs = {s: make_pair(8, LAYOUT, s, mirrored=False) for s in ("A", "C")}
+    steps = Steps(pairs, LAYOUT, NUM_HEADS)
+    steps.place("w", ["C", "A", "A"])
+    steps.step([SeqStep("w", 0, 10)])
+    table = steps.dist.block_table("w")
+    executor = MigrationExecutor(steps.dist, {"w": 10}.get, 16, timeout_s=TIMEOUT)
+    executor.offer(Order(5, "w", "A", pairs["A"].address, "C", pairs["C"].address, [], [0, 1], [6, 7]))
+    executor.between_steps()
+    (result,) = executor.take_results()
+    assert (result.num_moved, result.error) == (0, "rBlock 0 of the sequence is no longer on A")
+    assert steps.dist.block_table("w") == table
+    assert [_stats(pairs[s]) for s in ("A", "C")] == [(6, 2, 0), (7, 1, 0)]
+    steps.step([SeqStep("w", 10, 1)])

@@ -128,6 +128,14 @@ def _with_value(value: float):
     return mutate
 
 
+def _hashes(*hashes: bytes):
+    def mutate(chunks):
+        chunks[0].header.block_hashes.extend(hashes)
+        return chunks
+
+    return mutate
+
+
 BAD_IMPORTS = {
     "truncated": (_truncated, "payload ended after 4000 of 4608 bytes"),
     "no_header": (_no_header, "must start with a header"),
@@ -136,6 +144,8 @@ BAD_IMPORTS = {
     "overflow": (_overflow, "overflows its declared size"),
     "nan": (_with_value(math.nan), "NaN or infinite"),
     "inf": (_with_value(-math.inf), "NaN or infinite"),
+    "hash_count": (_hashes(b"h" * 16), "1 block hashes for 3 blocks"),
+    "hash_length": (_hashes(b"", b"short", b""), "block hashes must be"),
 }
 
 

@@ -21,13 +21,16 @@ from .helpers import make_servers, running_manager
 
 @contextlib.asynccontextmanager
 async def served(manager):
-    """``manager`` behind a GlobalManager gRPC server on a free loopback port; yields a stub."""
+    """``manager`` behind a GlobalManager gRPC server on a free loopback port; yields a stub (its ``address``
+    attribute: the server's ``host:port``)."""
     servicer = GlobalManagerServicer(manager)
     service = Service.of(mpb, "GlobalManager", mgrpc.add_GlobalManagerServicer_to_server, servicer)
     server = await start_server([service], "127.0.0.1:0")
     channel = aio_channel(f"127.0.0.1:{server.port}")
     try:
-        yield mgrpc.GlobalManagerStub(channel)
+        stub = mgrpc.GlobalManagerStub(channel)
+        stub.address = f"127.0.0.1:{server.port}"
+        yield stub
     finally:
         await channel.close()
         await server.stop(0)
@@ -136,5 +139,52 @@ def test_cluster_state_names_each_sequence_owner_and_each_instance_debt(etcd_ser
             assert [(e.seq_id, e.instance_id) for e in state.ledger] == [("s1", "c0"), ("s2", "")]
             (c0,) = state.compute_instances
             assert (c0.instance_id, list(c0.home_server_ids), c0.debt_blocks) == ("c0", ["a"], 2)
+
+    asyncio.run(scenario())
+
+
+def test_a_shared_blocks_readers_follow_it_over_heartbeats(etcd_server, etcd_prefix):
+    """The wire path of issue 13's shared-block migration: a move result carrying the moved hashes arrives in
+    a heartbeat; the other reader's instance (a real ComputeRegistrar, here without a migration executor)
+    receives its re-attach order in its heartbeat reply and reports it refused; the manager then drops the
+    reader's references on the destination and puts its ledger entry back on the source."""
+    from infinite_llm.core.prefix_cache import block_hashes
+    from infinite_llm.services.compute.registrar import ComputeLoadReport, ComputeRegistrar
+    from infinite_llm.services.manager.planner import Move
+
+    hashes = block_hashes(list(range(8)), 4, "m")
+
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 8})
+        rm_a, rm_c = servers.rmanagers["a"], servers.rmanagers["c"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m, served(m) as stub:
+            await stub.RegisterCompute(mpb.RegisterComputeRequest(**{**REGISTER, "instance_id": "c1"}))
+            load = lambda: ComputeLoadReport(1, 0, 8)  # noqa: E731
+            w_instance = ComputeRegistrar(stub.address, "c0", "127.0.0.1:50070", load, ("a",))
+            try:
+                await w_instance._register()
+                await m.place("w", 2, owner="c0")
+                await m.prefix.publish([("w", i, hashes[i], "a") for i in range(2)])
+                await m.prefix.match("r", hashes, owner="c1")
+                order = await m.migrations.start(Move("r", "a", "c", 2, "lend"), "c1")
+                for k, rid in enumerate(order.reservation_ids):
+                    rm_c.commit(rid, [k])
+                rm_c.cache_blocks("r", [(k, hashes[k]) for k in range(2)])
+                rm_a.free_blocks("r", [0, 1])
+                moved = mpb.MigrationResult(
+                    migration_id=order.migration_id, seq_id="r", src_server_id="a", dst_server_id="c", num_blocks=2,
+                    num_moved=2, bytes_moved=200, cached_hashes=hashes,
+                )  # fmt: skip
+                await stub.HeartbeatCompute(mpb.HeartbeatComputeRequest(instance_id="c1", migration_results=[moved]))
+                assert (await m.cluster_state()).ledger["w"] == [("a", 0), ("c", 2)]
+                assert rm_c.owned_blocks("w") == rm_c.owned_blocks("r")[:2]
+                await w_instance._heartbeat()  # gets the re-attach order; no executor: refused, reported next
+                assert rm_c.owned_blocks("w") != []
+                await w_instance._heartbeat()
+                assert (await m.cluster_state()).ledger["w"] == [("a", 2)]
+                assert rm_c.owned_blocks("w") == [] and rm_a.owned_blocks("w") == [0, 1]
+                assert not m.migrations.in_flight
+            finally:
+                await w_instance.stop(deregister=False)
 
     asyncio.run(scenario())

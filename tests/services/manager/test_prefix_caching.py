@@ -245,3 +245,96 @@ def test_leftovers_of_a_lost_attempt_are_freed_never_attached_over(etcd_server, 
             servers.rmanagers["b"] = b
 
     asyncio.run(scenario())
+
+
+def test_a_migrated_shared_block_takes_all_its_readers_with_it(etcd_server, etcd_prefix):
+    """Issue 13: "r" migrates the rBlocks it shares with "w" (3) and "x" (2) from a to c. Settling r's move
+    points the index at c and gives w and x re-attach orders (ledger first, c's copies attached at the same
+    indices); w flips all three, x's order gets no result and expires: its references on c are dropped again
+    and its ledger goes back to a. Nothing leaks."""
+    import time
+
+    from infinite_llm.services.manager.migrations import MigrationResult
+    from infinite_llm.services.manager.planner import Move
+
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 8})
+        rm_a, rm_c = servers.rmanagers["a"], servers.rmanagers["c"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            for iid in ("c0", "c1"):
+                await m.register_compute(ComputeInfo(iid, f"127.0.0.1:5007{iid[1]}", ("a",)))
+            assert await m.place("w", 3, owner="c0") == [Grant("a", 3, (0, 1, 2))]
+            assert await m.prefix.publish([("w", i, H[i], "a") for i in range(3)]) == 3
+            assert await m.prefix.match("r", H[:3], owner="c1") == [Grant("a", 3, (0, 1, 2))]
+            assert await m.prefix.match("x", H[:2], owner="c1") == [Grant("a", 2, (0, 1))]
+            assert [rm_a.pool.ref_count(b) for b in (0, 1, 2)] == [3, 3, 2]
+
+            order = await m.migrations.start(Move("r", "a", "c", 3, "lend"), "c1")
+            assert m.migrations.take_orders("c1") == [order]
+            # r's instance moves the three (what MigrationExecutor and ImportBlocks do): c's copies are cached
+            # under the source's hashes, r's references on a are dropped.
+            moved = [rm_c.commit(rid, [k])[0] for k, rid in enumerate(order.reservation_ids)]
+            rm_c.cache_blocks("r", [(k, H[k]) for k in range(3)])
+            rm_a.free_blocks("r", [0, 1, 2])
+            await m.migrations.settle(
+                MigrationResult(order.migration_id, "r", "a", "c", 3, 3, 300, cached_hashes=tuple(H[:3]))
+            )
+            assert [m.prefix.index.server_of(h) for h in H[:3]] == ["c"] * 3
+            assert await m.prefix.index.load() == 3 and m.prefix.blocks_per_server() == {"c": 3}  # etcd says so too
+            (w_order,) = m.migrations.take_orders("c0")
+            (x_order,) = m.migrations.take_orders("c1")
+            assert (w_order.seq_id, w_order.block_indices, w_order.dst_block_ids) == ("w", (0, 1, 2), tuple(moved))
+            assert (x_order.seq_id, x_order.block_indices, x_order.dst_block_ids) == ("x", (0, 1), tuple(moved[:2]))
+            assert (w_order.reservation_ids, w_order.src, w_order.dst) == ((), "a", "c")
+            assert [rm_c.pool.ref_count(b) for b in moved] == [3, 3, 2]
+            ledger = (await m.cluster_state()).ledger
+            assert (ledger["w"], ledger["x"], ledger["r"]) == ([("a", 0), ("c", 3)], [("a", 0), ("c", 2)], [("c", 3)])
+            assert m.migrations.busy("w") and m.migrations.busy("x")
+
+            rm_a.free_blocks("w", [0, 1, 2])  # w's instance flips all three (MigrationExecutor._reattach)
+            await m.migrations.settle(
+                MigrationResult(w_order.migration_id, "w", "a", "c", 3, 3, block_indices=w_order.block_indices)
+            )
+            assert await m.migrations.expire(now=time.monotonic() + 1000) == 1  # x's instance never reported
+            ledger = (await m.cluster_state()).ledger
+            assert (ledger["w"], ledger["x"]) == ([("c", 3)], [("a", 2)])
+            assert [rm_c.pool.ref_count(b) for b in moved] == [2, 2, 2]  # r and w
+            assert [rm_a.pool.ref_count(b) for b in (0, 1, 2)] == [1, 1, 0]  # x still reads a's copies
+            assert rm_c.owned_blocks("x") == [] and m.migrations.readers_moved == 3
+            for seq_id in ("w", "r", "x"):
+                await m.release(seq_id)
+            assert (rm_a.pool.num_free, rm_c.pool.num_free, (await m.cluster_state()).ledger) == (8, 8, {})
+            assert not m.migrations.in_flight
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_whose_copy_was_evicted_on_the_destination_stays_on_the_source(etcd_server, etcd_prefix):
+    """The destination evicted the moved copy before the reader's re-attach: the attach comes back empty, so
+    no order is made and the reader's ledger entry is as before."""
+    from infinite_llm.services.manager.migrations import MigrationResult
+    from infinite_llm.services.manager.planner import Move
+
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 8})
+        rm_a, rm_c = servers.rmanagers["a"], servers.rmanagers["c"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
+            await m.place("w", 2, owner="c0")
+            await m.prefix.publish([("w", i, H[i], "a") for i in range(2)])
+            await m.prefix.match("r", H[:2], owner="c0")
+            order = await m.migrations.start(Move("r", "a", "c", 2, "lend"), "c0")
+            for k, rid in enumerate(order.reservation_ids):
+                rm_c.commit(rid, [k])
+            rm_c.cache_blocks("r", [(k, H[k]) for k in range(2)])
+            rm_a.free_blocks("r", [0, 1])
+            await m.release("r")  # r ends: c's copies parked ...
+            rm_c.clear_cache()  # ... and evicted
+            await m.migrations.settle(
+                MigrationResult(order.migration_id, "r", "a", "c", 2, 2, cached_hashes=tuple(H[:2]))
+            )
+            assert m.migrations.take_orders("c0") == []
+            assert (await m.cluster_state()).ledger == {"w": [("a", 2)]}
+            assert rm_c.pool.num_free == 8 and [rm_a.pool.ref_count(b) for b in (0, 1)] == [1, 1]
+
+    asyncio.run(scenario())
