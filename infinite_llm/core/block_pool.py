@@ -53,6 +53,7 @@ class RBlockPool:
         self._parked: OrderedDict[int, None] = OrderedDict()  # cached, no reader; front = least recently used
         self._ref_counts = [0] * num_blocks
         self._reservations: dict[int, tuple[int, ...]] = {}
+        self._shared_reservations: dict[int, tuple[int, ...]] = {}  # references to cached blocks, held
         self._next_reservation = itertools.count(1)
 
     @classmethod
@@ -116,8 +117,26 @@ class RBlockPool:
         self._reservations[rid] = ids
         return Reservation(rid, ids)
 
+    def reserve_cached(self, block_ids: list[int]) -> Reservation:
+        """Hold one reference more to each of these cached blocks (parked or read), under a reservation:
+        they cannot be evicted meanwhile; ``commit`` hands the references over, ``cancel`` drops them. Used
+        to re-attach a reader to a shared block that a migration moved here."""
+        for b in block_ids:
+            self._check_id(b)
+            if b not in self._cached:
+                raise InvalidRequest(f"block {b} is not cached")
+        for b in block_ids:
+            self.revive(b)
+        rid = next(self._next_reservation)
+        self._shared_reservations[rid] = tuple(block_ids)
+        return Reservation(rid, tuple(block_ids))
+
     def commit(self, reservation_id: int) -> list[int]:
-        """Make a reservation's blocks usable (reference count 1) and return their ids."""
+        """Make a reservation's blocks usable (reference count 1; a :meth:`reserve_cached` one keeps its
+        references) and return their ids."""
+        shared = self._shared_reservations.pop(reservation_id, None)
+        if shared is not None:
+            return list(shared)
         ids = self._pop_reservation(reservation_id)
         for b in ids:
             assert self._ref_counts[b] == 0, f"reserved block {b} already in use"
@@ -126,13 +145,18 @@ class RBlockPool:
 
     def reserved_ids(self, reservation_id: int) -> tuple[int, ...]:
         """Block ids held by an open reservation. Raises ``NotFound`` for an unknown id."""
-        try:
-            return self._reservations[reservation_id]
-        except KeyError:
-            raise NotFound(f"no reservation {reservation_id}") from None
+        found = self._reservations.get(reservation_id, self._shared_reservations.get(reservation_id))
+        if found is None:
+            raise NotFound(f"no reservation {reservation_id}")
+        return found
 
     def cancel(self, reservation_id: int) -> None:
-        """Return a reservation's blocks to the back of the free list."""
+        """Return a reservation's blocks to the back of the free list (a :meth:`reserve_cached` one: drop its
+        references)."""
+        shared = self._shared_reservations.pop(reservation_id, None)
+        if shared is not None:
+            self.free(shared)
+            return
         self._free.extend(self._pop_reservation(reservation_id))
 
     def share(self, block_id: int) -> None:

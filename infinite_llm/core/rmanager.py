@@ -280,6 +280,21 @@ class RManager:
                     found[wanted[block]].append((wanted[block], seq_id, index))
         return [r for h in found for r in found[h]]
 
+    def reserve_cached(self, seq_id: str, hashes: Sequence[BlockHash]) -> Reservation:
+        """A reference to the cached rBlock of each of the longest prefix of ``hashes`` cached here, held for
+        ``seq_id`` under a reservation (maybe of no block): :meth:`commit` puts them in its table at the
+        logical indices it is given, :meth:`cancel` drops them. Until then the sequence's table here is
+        unchanged, so its steps go on (a migration's re-attach)."""
+        ids: list[int] = []
+        for h in hashes:
+            b = self._block_of_hash.get(h)
+            if b is None:
+                break
+            ids.append(b)
+        r = self.pool.reserve_cached(ids)
+        self._pending[r.reservation_id] = seq_id
+        return r
+
     def clear_cache(self) -> int:
         """Drop every hash: cached rBlocks with no reader become free, read ones private. Returns how many."""
         return len(self.pool.evict_cached())

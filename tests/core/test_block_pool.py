@@ -87,3 +87,33 @@ def test_bad_free_frees_nothing():
 def test_capacity_from_bytes_counts_whole_blocks():
     assert RBlockPool.from_bytes(10_000, 3_000).num_blocks == 3
     assert RBlockPool.from_bytes(2_999, 3_000).num_blocks == 0
+
+
+def test_a_reservation_of_cached_blocks_holds_references_until_commit_or_cancel():
+    pool = RBlockPool(4)
+    w = pool.allocate(2)
+    for b in w:
+        pool.mark_cached(b)
+    pool.free([w[1]])  # block 1 parked: cached, no reader
+    before = (pool.num_free, pool.num_reserved, pool.num_cached_free)
+    r = pool.reserve_cached(w)
+    assert r.block_ids == tuple(w) and pool.reserved_ids(r.reservation_id) == tuple(w)
+    assert [pool.ref_count(b) for b in w] == [2, 1]  # block 1 revived: it cannot be evicted meanwhile
+    assert (pool.num_free, pool.num_reserved) == (2, 0)  # referenced blocks are in use, not reserved
+    pool.cancel(r.reservation_id)  # references dropped: block 1 parked again
+    assert (pool.num_free, pool.num_reserved, pool.num_cached_free) == before
+    r = pool.reserve_cached(w)
+    assert pool.commit(r.reservation_id) == w  # the references are handed over as they are
+    assert [pool.ref_count(b) for b in w] == [2, 1]
+    with pytest.raises(NotFound):
+        pool.cancel(r.reservation_id)
+
+
+def test_a_reservation_of_an_uncached_block_is_refused_and_changes_nothing():
+    pool = RBlockPool(4)
+    a = pool.allocate(2)
+    pool.mark_cached(a[0])
+    snap = _snapshot(pool)
+    with pytest.raises(InvalidRequest, match="block 1 is not cached"):
+        pool.reserve_cached(a)
+    assert _snapshot(pool) == snap

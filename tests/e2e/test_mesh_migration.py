@@ -5,6 +5,7 @@ single-process engine's; the manager counts the migrations and nothing stays hel
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import pytest
@@ -12,7 +13,9 @@ import pytest
 from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.mesh import LocalMesh
-from tests.e2e.conftest import all_blocks_free, mesh_config, wait_until
+from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
+from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
+from tests.e2e.conftest import all_blocks_free, mesh_channel, mesh_config, wait_until
 from tests.e2e.test_observability import scrape, value
 
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
@@ -53,3 +56,54 @@ def test_long_sequence_migrates_mid_decode_and_keeps_its_greedy_output(home_mesh
     moved = value(scrape(manager.metrics_address), "infinite_llm:migrations_total") - before
     assert moved >= 1, f"no migration happened (logs: {mesh.log_dir})"
     assert wait_until(lambda: all_blocks_free(mesh), timeout_s=20)
+
+
+def test_a_shared_prefix_migrates_with_both_readers_and_keeps_their_greedy_output(home_mesh, make_engine):
+    """Issue 13: "w" prefills a 9-block document that spills off compute-0's full home; "r" asks about the
+    same document and reads w's cached rBlocks where they are. When the home frees, the planner brings one
+    reader's rBlocks home; the shared ones land there cached, and the other reader is re-attached to them
+    (the manager counts it) instead of keeping the copies away. Both greedy outputs equal the in-process
+    engine's, and every rBlock is free afterwards."""
+    mesh = home_mesh
+    local = make_engine(num_kv_blocks=512)
+    tokens = local.tokenizer.encode(TEXT)
+    short, doc = tokens[:60], tokens[400 : 400 + 9 * 16]
+    asked = doc + tokens[700:720]
+    manager = next(p for p in mesh.procs if p.role == "manager")
+    before = value(scrape(manager.metrics_address), "infinite_llm:reattached_rblocks_total")
+    params = dict(temperature=0, ignore_eos=True)
+
+    def stream(ids: list[int], n: int, started: threading.Event) -> list[int]:
+        out = []
+        for chunk in client.stream(ids, max_tokens=n, **params):
+            out += chunk.token_ids
+            started.set()
+        return out
+
+    hits_before = _prefix_hits(mesh)
+    w_started = threading.Event()
+    with Client(mesh.router_address) as client, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(client.generate, short, max_tokens=24, **params)  # fills most of the home
+        time.sleep(0.5)
+        writer = pool.submit(stream, doc, 150, w_started)
+        assert w_started.wait(timeout=120), "w never started decoding"
+        time.sleep(1.0)  # w's full rBlocks are published right after its prefill step
+        reader = pool.submit(client.generate, asked, max_tokens=110, **params)
+        out_short, out_w, out_r = first.result(timeout=600), writer.result(timeout=600), reader.result(timeout=600)
+    # r's 9 document blocks at least (a sequence preempted for memory and resumed also hits its own blocks)
+    assert _prefix_hits(mesh) - hits_before >= 9 * 16, "r did not read w's cached document"
+    want = [
+        local.generate([ids], SamplingParams(max_tokens=n, **params))[0].token_ids
+        for ids, n in ((short, 24), (doc, 150), (asked, 110))
+    ]
+    assert [out_short.token_ids, out_w, out_r.token_ids] == want
+    reattached = value(scrape(manager.metrics_address), "infinite_llm:reattached_rblocks_total") - before
+    assert reattached >= 1, f"no reader followed a moved shared rBlock (logs: {mesh.log_dir})"
+    assert wait_until(lambda: all_blocks_free(mesh), timeout_s=20)
+
+
+def _prefix_hits(mesh: LocalMesh) -> int:
+    """Prefix-cache hits (tokens) of the mesh's compute instance."""
+    (compute,) = mesh.compute_instances()
+    with mesh_channel(compute.address, "router") as ch:
+        return cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=5).prefix_cache_hits

@@ -202,22 +202,26 @@ class ImportBlocksResponse(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AttachBlocksRequest(_message.Message):
-    __slots__ = ("seq_id", "first_block_index", "block_hashes")
+    __slots__ = ("seq_id", "first_block_index", "block_hashes", "reserve")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     first_block_index: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, seq_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    reserve: bool
+    def __init__(self, seq_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., reserve: _Optional[bool] = ...) -> None: ...
 
 class AttachBlocksResponse(_message.Message):
-    __slots__ = ("block_ids", "uncached_hashes")
+    __slots__ = ("block_ids", "uncached_hashes", "reservation_id")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     UNCACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     uncached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., uncached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    reservation_id: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., uncached_hashes: _Optional[_Iterable[bytes]] = ..., reservation_id: _Optional[int] = ...) -> None: ...
 
 class CacheBlocksRequest(_message.Message):
     __slots__ = ("seq_id", "block_indices", "block_hashes")

@@ -148,6 +148,19 @@ class ServedRManager:
             return []
         return self.rm.attach(seq_id, list(range(first_index, first_index + n)), hashes[:n])
 
+    def reserve_prefix(self, seq_id: str, hashes: list[BlockHash]) -> Reservation:
+        """Hold a reference to the cached rBlock of each of the longest prefix of ``hashes`` cached here for
+        ``seq_id``, under a reservation (maybe of no block) that :meth:`commit` puts in its table at the
+        indices it is given, and :meth:`cancel` or expiry drops. Raises ``InvalidRequest`` for a malformed id
+        or hash."""
+        check_id("seq_id", seq_id)
+        _check_hashes(hashes)
+        self.expire_reservations()
+        r = self.rm.reserve_cached(seq_id, hashes)
+        self._reservations[r.reservation_id] = (seq_id, r.block_ids)
+        self._reserved_at[r.reservation_id] = self._clock()
+        return r
+
     def cache_blocks(self, seq_id: str, block_indices: list[int], hashes: list[BlockHash]) -> list[BlockHash]:
         """Mark ``seq_id``'s full rBlocks at ``block_indices`` cached under ``hashes`` (one each); returns
         the hashes newly cached here. Raises ``InvalidRequest`` (nothing changes) for a malformed request or

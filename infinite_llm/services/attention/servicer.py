@@ -85,12 +85,20 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         return self.holder.reserve(seq_id, num_blocks), self.holder.take_uncached()
 
     async def AttachBlocks(self, request: pb.AttachBlocksRequest, context) -> pb.AttachBlocksResponse:
+        if request.reserve:
+            r, uncached = await self._run(self._reserve_prefix, request.seq_id, list(request.block_hashes))
+            return pb.AttachBlocksResponse(
+                block_ids=r.block_ids, uncached_hashes=uncached, reservation_id=r.reservation_id
+            )
         args = (request.seq_id, request.first_block_index, list(request.block_hashes))
         ids, uncached = await self._run(self._attach, *args)
         return pb.AttachBlocksResponse(block_ids=ids, uncached_hashes=uncached)
 
     def _attach(self, seq_id: str, first_index: int, hashes: list[bytes]) -> tuple[list[int], list[bytes]]:
         return self.holder.attach_prefix(seq_id, first_index, hashes), self.holder.take_uncached()
+
+    def _reserve_prefix(self, seq_id: str, hashes: list[bytes]) -> tuple[Reservation, list[bytes]]:
+        return self.holder.reserve_prefix(seq_id, hashes), self.holder.take_uncached()
 
     async def CacheBlocks(self, request: pb.CacheBlocksRequest, context) -> pb.CacheBlocksResponse:
         args = (request.seq_id, list(request.block_indices), list(request.block_hashes))

@@ -15,18 +15,19 @@ with the next heartbeat).
 
 Shared rBlocks (prefix caching, issue 13) move with all their readers. The export carries the hash a block
 is cached under and the destination caches its copy under it; the result lists those hashes, and the
-manager then gives every other reader of the source copy a *re-attach* order (``block_indices`` set, no
-reservations): the manager has already attached the destination's copy to that reader at the same logical
-index, so its instance frees its source reference of those indices (one FreeSequence) and flips the
-entries to the destination's blocks, between two steps like a move. No other reader's table changes before
-its own order, and no block is freed while read: each reader drops its own reference only.
+manager then gives every other reader of the source copy a *re-attach* order (``block_indices`` set, one
+reservation holding a reference to the destination's cached copy of each). Between two steps the reader's
+instance commits that reservation at those indices (CommitBlocks), frees its source references (one
+FreeSequence) and flips the entries, all or nothing: an entry no longer on the source (it moved meanwhile)
+ends the order with nothing done, and the manager cancels the reservation. Each reader drops only its own
+reference, so no block is freed while read, and no step sees a table the servers do not hold.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -52,7 +53,6 @@ class Order:
     dst_address: str
     reservation_ids: list[int]
     block_indices: list[int] = field(default_factory=list)  # a re-attach: the entries to flip
-    dst_block_ids: list[int] = field(default_factory=list)  # ... to these blocks (attached already)
     moved: int = 0
     bytes_moved: int = 0
     waited: int = 0
@@ -174,39 +174,45 @@ class MigrationExecutor:
                 apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=[index]), timeout=self.timeout_s
             )
             raise
-        learn = getattr(self.dist.placement, "learn_address", None)
-        if learn is not None:
-            learn(HolderId(order.dst), order.dst_address)
-        table = self.dist.block_table(order.seq_id)
-        table[index] = BlockRef(HolderId(order.dst), BlockId(int(reply.block_ids[0])))
-        self.dist.replace_table(order.seq_id, table)
+        self._flip(order, [index], reply.block_ids)
         order.moved += 1
         order.bytes_moved += sum(len(c.data) for c in chunks[1:])
         order.cached_hashes.extend(reply.cached_hashes)
 
     def _reattach(self, order: Order) -> None:
-        """Flip the order's entries that still read the source to the destination's attached blocks: one
-        FreeSequence of those indices on the source, then the table. An entry no longer on the source (it
-        moved meanwhile) ends the order there; the manager drops the unused destination references."""
+        """Commit the order's reservation on the destination at its indices, free the source references of
+        those indices, flip the table; if the source refuses the free, the destination's are freed again. An
+        entry no longer on the source ends the order with nothing done (the manager cancels the reservation)."""
         table = self.dist.block_table(order.seq_id)
-        here = 0
-        for index in order.block_indices:
-            if index >= len(table) or table[index].holder != order.src:
-                break
-            here += 1
-        if here:
-            src = self._stub(order.src_address)
-            request = apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=order.block_indices[:here])
-            src.FreeSequence(request, timeout=self.timeout_s)  # all or nothing: a failure changes nothing
-            learn = getattr(self.dist.placement, "learn_address", None)
-            if learn is not None:
-                learn(HolderId(order.dst), order.dst_address)
-            for index, block_id in zip(order.block_indices[:here], order.dst_block_ids[:here], strict=True):
-                table[index] = BlockRef(HolderId(order.dst), BlockId(block_id))
-            self.dist.replace_table(order.seq_id, table)
-            order.moved = here
-        if here < len(order.block_indices):
-            order.error = f"rBlock {order.block_indices[here]} of the sequence is no longer on {order.src}"
+        stray = [i for i in order.block_indices if i >= len(table) or table[i].holder != order.src]
+        if stray:
+            order.error = f"rBlock {stray[0]} of the sequence is no longer on {order.src}"
+            return
+        src, dst = self._stub(order.src_address), self._stub(order.dst_address)
+        (reservation_id,) = order.reservation_ids
+        commit = apb.CommitBlocksRequest(reservation_id=reservation_id, block_indices=order.block_indices)
+        ids = dst.CommitBlocks(commit, timeout=self.timeout_s).block_ids
+        try:
+            src.FreeSequence(
+                apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=order.block_indices), timeout=self.timeout_s
+            )
+        except grpc.RpcError:  # the source still serves them: drop the destination's again
+            dst.FreeSequence(
+                apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=order.block_indices), timeout=self.timeout_s
+            )
+            raise
+        self._flip(order, order.block_indices, ids)
+        order.moved = len(order.block_indices)
+
+    def _flip(self, order: Order, indices: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Point the block-table entries ``indices`` of the order's sequence at ``block_ids`` on ``order.dst``."""
+        learn = getattr(self.dist.placement, "learn_address", None)
+        if learn is not None:
+            learn(HolderId(order.dst), order.dst_address)
+        table = self.dist.block_table(order.seq_id)
+        for index, block_id in zip(indices, block_ids, strict=True):
+            table[index] = BlockRef(HolderId(order.dst), BlockId(int(block_id)))
+        self.dist.replace_table(order.seq_id, table)
 
     def _stub(self, address: str) -> agrpc.AttentionServerStub:
         """A stub on a channel kept while orders run (engine thread only; closed when the queue empties)."""

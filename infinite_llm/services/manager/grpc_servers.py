@@ -76,11 +76,10 @@ class GrpcBlockServers:
         reply = await self._call(server_id, "BlockReaders", apb.BlockReadersRequest(block_hashes=hashes))
         return [(r.block_hash, r.seq_id, r.block_index) for r in reply.readers]
 
-    async def free_blocks(self, server_id: str, seq_id: str, block_indices: list[int]) -> int:
-        if not block_indices:  # FreeSequence without indices would free the whole sequence
-            return 0
-        request = apb.FreeSequenceRequest(seq_id=seq_id, block_indices=block_indices)
-        return (await self._call(server_id, "FreeSequence", request)).num_freed
+    async def reserve_attach(self, server_id: str, seq_id: str, hashes: list[bytes]) -> tuple[Reservation, list[bytes]]:
+        request = apb.AttachBlocksRequest(seq_id=seq_id, block_hashes=hashes, reserve=True)
+        reply = await self._call(server_id, "AttachBlocks", request)
+        return Reservation(reply.reservation_id, tuple(reply.block_ids)), list(reply.uncached_hashes)
 
     async def _call(self, server_id: str, method: str, request):  # noqa: ANN001, ANN202
         try:

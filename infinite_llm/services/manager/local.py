@@ -82,6 +82,6 @@ class LocalServers:
         """``(hash, seq_id, logical index)`` of the sequences reading the cached rBlock of each hash."""
         return self._get(server_id).readers(hashes)
 
-    async def free_blocks(self, server_id: str, seq_id: str, block_indices: list[int]) -> int:
-        """Free ``seq_id``'s rBlocks at logical ``block_indices``; returns how many."""
-        return self._get(server_id).free_blocks(seq_id, block_indices)
+    async def reserve_attach(self, server_id: str, seq_id: str, hashes: list[bytes]) -> tuple[Reservation, list[bytes]]:
+        """A reservation of references to the cached rBlocks of the longest cached prefix of ``hashes``."""
+        return self._get(server_id).reserve_cached(seq_id, hashes), []

@@ -14,11 +14,12 @@ Shared rBlocks (prefix caching, issue 13) move with all their readers. The mover
 destination cached under the same hash (the export carries it); its result lists those hashes, and settling
 it points the prefix index at the destination, asks the source which other sequences read each moved
 rBlock (``BlockReaders``), and gives each of them a *re-attach* order (:meth:`Migrations.reattach`): ledger
-shift first, then the manager attaches the destination's copy to the reader at the same logical index, and
-the reader's instance drops its source copy and flips that block-table entry between two steps. Once the
-last reader flipped, the source copy has no reader left and is parked (free, evicted first). A reader that
-attached to the source copy after it was asked keeps reading it (never wrong KV; the block stays until it
-ends or moves like any other).
+shift first, then a reservation on the destination holding a reference to each cached copy for the reader
+(``AttachBlocks`` with ``reserve``: the reader's table there is unchanged, so its steps go on), then, between
+two of its steps, the reader's instance commits that reservation at the same logical indices, frees its
+source references and flips its block table. Once the last reader flipped, the source copy has no reader
+left and is parked (free, evicted first). A reader that attached to the source copy after it was asked keeps
+reading it (never wrong KV; the block stays until it ends or moves like any other).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, NotFound, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
@@ -47,8 +49,8 @@ SETTLED_KEPT = 4096  # settled migration ids remembered against late duplicates
 @dataclass(frozen=True)
 class MigrationOrder:
     """What the compute instance running ``seq_id`` is told: move one rBlock into each reservation; or, for
-    a re-attach (``block_indices`` set, no reservations), point the entry of each of ``block_indices`` at
-    ``dst_block_ids`` (attached already) and free its source copy."""
+    a re-attach (``block_indices`` set), commit the one reservation (references to ``dst``'s cached copies)
+    at ``block_indices`` and free the source references of those indices."""
 
     migration_id: int
     seq_id: str
@@ -58,7 +60,6 @@ class MigrationOrder:
     dst_address: str
     reservation_ids: tuple[int, ...]
     block_indices: tuple[int, ...] = ()
-    dst_block_ids: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -79,7 +80,7 @@ class MigrationResult:
     bytes_moved: int = 0
     error: str = ""
     cached_hashes: tuple[bytes, ...] = ()  # moved shared rBlocks now cached on dst (their readers follow)
-    block_indices: tuple[int, ...] = ()  # a re-attach order's indices (the first num_moved flipped)
+    block_indices: tuple[int, ...] = ()  # a re-attach order's indices (num_moved: 0 or all of them)
 
 
 def shifted(entries: LedgerEntries, src: str, dst: str, n: int) -> LedgerEntries:
@@ -180,7 +181,7 @@ class Migrations:
                 orders.remove(order)
         back = result.num_blocks - result.num_moved
         if result.block_indices:
-            await self._settle_reattach(result, back)
+            await self._settle_reattach(result, order, back)
             return
         if order is not None and back > 0:
             await self._cancel(result.dst, order.reservation_ids[result.num_moved :])
@@ -198,21 +199,24 @@ class Migrations:
         if result.cached_hashes and result.num_moved > 0:
             await self._follow(result)
 
-    async def _settle_reattach(self, result: MigrationResult, back: int) -> None:
-        """A re-attach ended: the entries it did not flip drop their destination reference again and go back
-        to the source in the ledger (the source copy still serves them)."""
-        unused = list(result.block_indices[result.num_moved :])
-        if unused:
-            try:
-                await self._servers.free_blocks(result.dst, result.seq_id, unused)
-            except (Unavailable, NotFound, InvalidRequest) as e:  # the server died, or the sequence ended
-                log.info("re-attach %d: freeing %d unused rBlocks of %s on %s: %s", result.migration_id, back,
-                         result.seq_id, result.dst, e)  # fmt: skip
+    async def _settle_reattach(self, result: MigrationResult, order: MigrationOrder | None, back: int) -> None:
+        """A re-attach ended: one that flipped nothing gives its destination references back (its reservation
+        cancelled; a manager that took over leaves that to the reservation's expiry) and goes back to the
+        source in the ledger, whose copies still serve the reader."""
+        if order is not None and back > 0:
+            await self._drop_reservation(result.dst, order.reservation_ids)
         await self._swap(await self._ledger.read(result.seq_id), result.src, result.dst, -back, drop_empty=True)
         self.readers_moved += result.num_moved
         if result.error:
             log.warning("re-attach %d of %s ended after %d of %d rBlocks: %s", result.migration_id, result.seq_id,
                         result.num_moved, result.num_blocks, result.error)  # fmt: skip
+
+    async def _drop_reservation(self, server_id: str, reservation_ids: tuple[int, ...]) -> None:
+        for rid in reservation_ids:
+            try:
+                await self._servers.cancel(server_id, rid)
+            except (Unavailable, NotFound) as e:  # committed, expired, or the server died
+                log.info("cancel re-attach reservation %d on %s: %s", rid, server_id, e)
 
     async def _follow(self, result: MigrationResult) -> None:
         """A migration moved shared rBlocks, now cached on ``result.dst``: point the index there and give
@@ -234,57 +238,46 @@ class Migrations:
 
     async def reattach(self, seq_id: str, src: str, dst: str, blocks: list[tuple[int, bytes]]) -> MigrationOrder | None:
         """Move ``seq_id``'s references to shared rBlocks from ``src`` to the copies cached on ``dst``:
-        ``blocks`` are ``(logical index, hash)``. The ledger shifts first (committed rBlocks follow their
-        ledger write), then ``dst`` attaches each hash at its index, then the order is queued for the
-        sequence's owner. Returns ``None`` (nothing changed) when the sequence has no owner, no longer holds
-        that many rBlocks on ``src``, an address is unknown, or ``dst`` attaches none.
+        ``blocks`` are ``(logical index, hash)``, by index. The ledger shifts first (committed rBlocks follow
+        their ledger write), then ``dst`` reserves a reference to the longest prefix of those hashes it
+        caches, then the order is queued for the sequence's owner. Returns ``None`` (nothing changed) when
+        the sequence has no owner, no longer holds that many rBlocks on ``src``, an address is unknown, or
+        ``dst`` caches none of them any more.
 
         Raises:
-            NotLeader, Unavailable (etcd): as :meth:`start` (the attached references are dropped again).
+            NotLeader, Unavailable (etcd): as :meth:`start` (the reservation is cancelled).
         """
         src_address, dst_address = self._address_of(src), self._address_of(dst)
         record = await self._ledger.read(seq_id)
-        if (
-            src_address is None
-            or dst_address is None
-            or not record.owner
-            or dict(record.entries).get(src, 0) < len(blocks)
-        ):
+        held = dict(record.entries).get(src, 0)
+        if src_address is None or dst_address is None or not record.owner or held < len(blocks):
             return None
         if not await self._swap(record, src, dst, len(blocks)):
             return None
-        ids: list[int] = []
+        reservation = Reservation(0, ())
         try:
-            for index, block_hash in blocks:
-                got, uncached = await self._servers.attach(dst, seq_id, index, [block_hash])
-                if uncached and self._servers.on_uncached is not None:
-                    self._servers.on_uncached(dst, uncached)
-                if not got:  # dst evicted it meanwhile: the rest stay on src
-                    break
-                ids.append(got[0])
+            reservation, uncached = await self._servers.reserve_attach(dst, seq_id, [h for _, h in blocks])
+            if uncached and self._servers.on_uncached is not None:
+                self._servers.on_uncached(dst, uncached)
         except (Unavailable, NotFound, InvalidRequest) as e:
-            log.info("re-attach of %s on %s stopped after %d of %d rBlocks: %s", seq_id, dst, len(ids), len(blocks), e)
+            log.info("re-attach of %d rBlocks of %s on %s refused: %s", len(blocks), seq_id, dst, e)
+        try:
+            n = len(reservation.block_ids)
+            if n < len(blocks):  # dst evicted some meanwhile: those stay on src
+                await self._swap(await self._ledger.read(seq_id), src, dst, n - len(blocks), drop_empty=True)
         except BaseException:
-            await self._settle_reattach(self._unstarted(seq_id, src, dst, blocks, ids), len(blocks))
+            await self._drop_reservation(dst, (reservation.reservation_id,) if n else ())
             raise
-        if len(ids) < len(blocks):
-            short = len(blocks) - len(ids)
-            await self._swap(await self._ledger.read(seq_id), src, dst, -short, drop_empty=True)
-        if not ids:
+        if n == 0:
             return None
-        indices = tuple(i for i, _ in blocks[: len(ids)])
-        order = MigrationOrder(next(self._ids), seq_id, src, src_address, dst, dst_address, (), indices, tuple(ids))
+        indices = tuple(i for i, _ in blocks[:n])
+        rids = (reservation.reservation_id,)
+        order = MigrationOrder(next(self._ids), seq_id, src, src_address, dst, dst_address, rids, indices)
         self.in_flight[order.migration_id] = order
         self._started[order.migration_id] = time.monotonic()
         self._orders.setdefault(record.owner, []).append(order)
-        log.info("re-attach %d: %d shared rBlocks of %s %s -> %s", order.migration_id, len(ids), seq_id, src, dst)
+        log.info("re-attach %d: %d shared rBlocks of %s %s -> %s", order.migration_id, n, seq_id, src, dst)
         return order
-
-    @staticmethod
-    def _unstarted(seq_id: str, src: str, dst: str, blocks: list[tuple[int, bytes]], ids: list[int]) -> MigrationResult:
-        """A re-attach result that flipped nothing, for undoing one that failed half-way."""
-        indices = tuple(i for i, _ in blocks[: len(ids)])
-        return MigrationResult(0, seq_id, src, dst, len(blocks), 0, 0, "", (), indices)
 
     async def expire(self, now: float | None = None, timeout_s: float = ORDER_TIMEOUT_S) -> int:
         """Settle as failed (nothing moved) the orders started more than ``timeout_s`` seconds ago: their

@@ -64,9 +64,10 @@ class BlockServers(Protocol):
         of each of ``hashes``."""
         ...
 
-    async def free_blocks(self, server_id: str, seq_id: str, block_indices: list[int]) -> int:
-        """Free ``seq_id``'s rBlocks at logical ``block_indices`` only (``InvalidRequest`` if one is not held
-        there); returns how many."""
+    async def reserve_attach(self, server_id: str, seq_id: str, hashes: list[bytes]) -> tuple[Reservation, list[bytes]]:
+        """Prefix caching: a reservation holding a reference to the server's cached rBlock of each of the
+        longest prefix of ``hashes`` (maybe none) for ``seq_id``, to commit at logical indices later; and the
+        hashes the server uncached since it last said."""
         ...
 
 

@@ -155,7 +155,7 @@ def test_a_shared_block_moves_with_all_its_readers(make_pair):
     assert steps.dist.try_allocate("r", 1)  # r's private tail on C
     w_blocks = [ref.block_id for ref in steps.dist.block_table("w")[:2]]
     assert [ref.block_id for ref in steps.dist.block_table("r")[:2]] == w_blocks
-    computed = {"r": 8, "w": 10}
+    computed = {"r": 8, "w": 11}
 
     executor = MigrationExecutor(steps.dist, computed.get, 16, timeout_s=TIMEOUT)
     rids = [pairs["C"].stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="r", num_blocks=1), timeout=TIMEOUT)
@@ -175,13 +175,14 @@ def test_a_shared_block_moves_with_all_its_readers(make_pair):
     r_blocks = [ref.block_id for ref in steps.dist.block_table("r")[:2]]
     assert payload("C", "r", r_blocks) == payload("A", "w", w_blocks)  # the same bytes
 
-    # The manager's part on settling: who else reads A's copies, and C's copies attached to them.
+    # The manager's part on settling: who else reads A's copies, and a reservation of references to C's.
     readers = pairs["A"].stub.BlockReaders(pb.BlockReadersRequest(block_hashes=hashes), timeout=TIMEOUT).readers
     assert [(r.block_hash, r.seq_id, r.block_index) for r in readers] == [(hashes[0], "w", 0), (hashes[1], "w", 1)]
-    attach = pb.AttachBlocksRequest(seq_id="w", first_block_index=0, block_hashes=hashes)
-    attached = list(pairs["C"].stub.AttachBlocks(attach, timeout=TIMEOUT).block_ids)
-    assert attached == r_blocks
-    executor.offer(Order(2, "w", "A", pairs["A"].address, "C", pairs["C"].address, [], [0, 1], attached))
+    attach = pb.AttachBlocksRequest(seq_id="w", block_hashes=hashes, reserve=True)
+    held = pairs["C"].stub.AttachBlocks(attach, timeout=TIMEOUT)
+    assert list(held.block_ids) == r_blocks
+    steps.step([SeqStep("w", 10, 1)])  # until w's instance flips, C's table for w is unchanged: w steps on
+    executor.offer(Order(2, "w", "A", pairs["A"].address, "C", pairs["C"].address, [held.reservation_id], [0, 1]))
     executor.between_steps()
     (reattached,) = executor.take_results()
     assert (reattached.num_moved, reattached.error, reattached.block_indices) == (2, "", (0, 1))
@@ -191,26 +192,28 @@ def test_a_shared_block_moves_with_all_its_readers(make_pair):
     assert [_stats(pairs[s]) for s in ("A", "C")] == [(7, 1, 0), (5, 3, 0)]
     assert pairs["A"].stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached == 2
 
-    steps.step([SeqStep("w", 10, 1), SeqStep("r", 8, 2)])  # exact attention for both, or it raises
-    steps.step([SeqStep("w", 11, 1), SeqStep("r", 10, 1)])
+    steps.step([SeqStep("w", 11, 1), SeqStep("r", 8, 2)])  # exact attention for both, or it raises
+    steps.step([SeqStep("r", 10, 1)])
     steps.dist.free("w")
     assert _stats(pairs["C"]) == (5, 3, 0)  # r still reads them
     steps.dist.free("r")
     assert [_stats(pairs[s]) for s in ("A", "C")] == [(8, 0, 0), (8, 0, 0)]
 
 
-def test_a_reattach_order_stops_at_an_entry_no_longer_on_the_source(make_pair):
-    """The reader's entry 0 moved elsewhere meanwhile: the order flips nothing, frees nothing, and says why."""
+def test_a_reattach_order_does_nothing_if_an_entry_is_no_longer_on_the_source(make_pair):
+    """The reader's entry 0 moved elsewhere meanwhile: the order commits, frees and flips nothing (all or
+    nothing), and says why; the manager then cancels its reservation."""
     pairs = {s: make_pair(8, LAYOUT, s, mirrored=False) for s in ("A", "C")}
     steps = Steps(pairs, LAYOUT, NUM_HEADS)
     steps.place("w", ["C", "A", "A"])
     steps.step([SeqStep("w", 0, 10)])
     table = steps.dist.block_table("w")
+    rid = _reserve(pairs["C"], "w", 1)[0]
     executor = MigrationExecutor(steps.dist, {"w": 10}.get, 16, timeout_s=TIMEOUT)
-    executor.offer(Order(5, "w", "A", pairs["A"].address, "C", pairs["C"].address, [], [0, 1], [6, 7]))
+    executor.offer(Order(5, "w", "A", pairs["A"].address, "C", pairs["C"].address, [rid], [0, 1]))
     executor.between_steps()
     (result,) = executor.take_results()
     assert (result.num_moved, result.error) == (0, "rBlock 0 of the sequence is no longer on A")
     assert steps.dist.block_table("w") == table
-    assert [_stats(pairs[s]) for s in ("A", "C")] == [(6, 2, 0), (7, 1, 0)]
+    assert [_stats(pairs[s]) for s in ("A", "C")] == [(6, 2, 0), (6, 1, 1)]  # the reservation still open
     steps.step([SeqStep("w", 10, 1)])

@@ -29,3 +29,20 @@ def test_committed_blocks_never_expire():
     now[0] += 100.0
     assert holder.expire_reservations() == 0
     assert holder.rm.owned_blocks("a") == list(r.block_ids)
+
+
+def test_an_orphaned_reservation_of_cached_blocks_expires_and_drops_its_references():
+    """A migration's re-attach reservation whose order never came (the manager or the reader's instance
+    died): it expires like any reservation, and the cached blocks it referenced go back to their readers."""
+    now = [0.0]
+    holder = ServedRManager(RManager(4, LAYOUT), reservation_ttl_s=30.0, clock=lambda: now[0])
+    r = holder.reserve("w", 2)
+    holder.commit(r.reservation_id, [0, 1])
+    hashes = [bytes([i]) * 32 for i in range(2)]
+    assert holder.cache_blocks("w", [0, 1], hashes) == hashes
+    held = holder.reserve_prefix("x", [*hashes, b"\x09" * 32])  # the third is not cached here
+    assert held.block_ids == r.block_ids and [holder.rm.pool.ref_count(b) for b in r.block_ids] == [2, 2]
+    assert holder.occupancy() == ({"w": 2}, {"x": 2})
+    now[0] += 31.0
+    assert holder.expire_reservations() == 1
+    assert [holder.rm.pool.ref_count(b) for b in r.block_ids] == [1, 1] and holder.occupancy() == ({"w": 2}, {})

@@ -249,9 +249,9 @@ def test_leftovers_of_a_lost_attempt_are_freed_never_attached_over(etcd_server, 
 
 def test_a_migrated_shared_block_takes_all_its_readers_with_it(etcd_server, etcd_prefix):
     """Issue 13: "r" migrates the rBlocks it shares with "w" (3) and "x" (2) from a to c. Settling r's move
-    points the index at c and gives w and x re-attach orders (ledger first, c's copies attached at the same
-    indices); w flips all three, x's order gets no result and expires: its references on c are dropped again
-    and its ledger goes back to a. Nothing leaks."""
+    points the index at c and gives w and x re-attach orders (ledger first, then a reservation on c holding a
+    reference to each copy); w's instance commits and flips all three; x's order gets no result and expires:
+    its reservation is cancelled and its ledger goes back to a. Nothing leaks."""
     import time
 
     from infinite_llm.services.manager.migrations import MigrationResult
@@ -283,15 +283,18 @@ def test_a_migrated_shared_block_takes_all_its_readers_with_it(etcd_server, etcd
             assert await m.prefix.index.load() == 3 and m.prefix.blocks_per_server() == {"c": 3}  # etcd says so too
             (w_order,) = m.migrations.take_orders("c0")
             (x_order,) = m.migrations.take_orders("c1")
-            assert (w_order.seq_id, w_order.block_indices, w_order.dst_block_ids) == ("w", (0, 1, 2), tuple(moved))
-            assert (x_order.seq_id, x_order.block_indices, x_order.dst_block_ids) == ("x", (0, 1), tuple(moved[:2]))
-            assert (w_order.reservation_ids, w_order.src, w_order.dst) == ((), "a", "c")
-            assert [rm_c.pool.ref_count(b) for b in moved] == [3, 3, 2]
+            assert (w_order.seq_id, w_order.block_indices, w_order.src, w_order.dst) == ("w", (0, 1, 2), "a", "c")
+            assert (x_order.seq_id, x_order.block_indices) == ("x", (0, 1))
+            assert [rm_c.pool.ref_count(b) for b in moved] == [3, 3, 2]  # r's, and w's and x's reservations
+            assert rm_c.owned_blocks("w") == rm_c.owned_blocks("x") == []  # their tables change only at the flip
             ledger = (await m.cluster_state()).ledger
             assert (ledger["w"], ledger["x"], ledger["r"]) == ([("a", 0), ("c", 3)], [("a", 0), ("c", 2)], [("c", 3)])
             assert m.migrations.busy("w") and m.migrations.busy("x")
 
-            rm_a.free_blocks("w", [0, 1, 2])  # w's instance flips all three (MigrationExecutor._reattach)
+            # w's instance (MigrationExecutor._reattach): commit the reservation on c, free a's, flip.
+            (rid,) = w_order.reservation_ids
+            assert rm_c.commit(rid, [0, 1, 2]) == moved
+            rm_a.free_blocks("w", [0, 1, 2])
             await m.migrations.settle(
                 MigrationResult(w_order.migration_id, "w", "a", "c", 3, 3, block_indices=w_order.block_indices)
             )
@@ -300,7 +303,7 @@ def test_a_migrated_shared_block_takes_all_its_readers_with_it(etcd_server, etcd
             assert (ledger["w"], ledger["x"]) == ([("c", 3)], [("a", 2)])
             assert [rm_c.pool.ref_count(b) for b in moved] == [2, 2, 2]  # r and w
             assert [rm_a.pool.ref_count(b) for b in (0, 1, 2)] == [1, 1, 0]  # x still reads a's copies
-            assert rm_c.owned_blocks("x") == [] and m.migrations.readers_moved == 3
+            assert rm_c.owned_blocks("x") == [] and rm_c.pool.num_reserved == 0 and m.migrations.readers_moved == 3
             for seq_id in ("w", "r", "x"):
                 await m.release(seq_id)
             assert (rm_a.pool.num_free, rm_c.pool.num_free, (await m.cluster_state()).ledger) == (8, 8, {})
@@ -309,32 +312,64 @@ def test_a_migrated_shared_block_takes_all_its_readers_with_it(etcd_server, etcd
     asyncio.run(scenario())
 
 
-def test_a_reader_whose_copy_was_evicted_on_the_destination_stays_on_the_source(etcd_server, etcd_prefix):
-    """The destination evicted the moved copy before the reader's re-attach: the attach comes back empty, so
-    no order is made and the reader's ledger entry is as before."""
+async def _r_moves_what_it_shares_with_w(m, n: int):  # noqa: ANN001, ANN202
+    """``w`` places and publishes ``n`` rBlocks on a, ``r`` attaches them (both owned by c0); r's move a -> c is
+    started and carried out as r's instance does it (commit on c, cached there under the source's hashes, r's
+    references on a dropped). Returns the move's result, not yet settled."""
     from infinite_llm.services.manager.migrations import MigrationResult
     from infinite_llm.services.manager.planner import Move
+
+    await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
+    await m.place("w", n, owner="c0")
+    await m.prefix.publish([("w", i, H[i], "a") for i in range(n)])
+    await m.prefix.match("r", H[:n], owner="c0")
+    order = await m.migrations.start(Move("r", "a", "c", n, "lend"), "c0")
+    for k, rid in enumerate(order.reservation_ids):
+        await m.block_servers.commit("c", rid, [k])
+    rm_a, rm_c = m.block_servers.rmanagers["a"], m.block_servers.rmanagers["c"]
+    rm_c.cache_blocks("r", [(k, H[k]) for k in range(n)])
+    rm_a.free_blocks("r", list(range(n)))
+    return MigrationResult(order.migration_id, "r", "a", "c", n, n, cached_hashes=tuple(H[:n]))
+
+
+def test_a_reader_whose_copy_was_evicted_on_the_destination_stays_on_the_source(etcd_server, etcd_prefix):
+    """The destination evicted the moved copy before the reader's re-attach: the reservation comes back
+    empty, so no order is made and the reader's ledger entry is as before."""
 
     async def scenario():
         servers = make_servers({"a": 8, "c": 8})
         rm_a, rm_c = servers.rmanagers["a"], servers.rmanagers["c"]
         async with running_manager(etcd_server, etcd_prefix, servers) as m:
-            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
-            await m.place("w", 2, owner="c0")
-            await m.prefix.publish([("w", i, H[i], "a") for i in range(2)])
-            await m.prefix.match("r", H[:2], owner="c0")
-            order = await m.migrations.start(Move("r", "a", "c", 2, "lend"), "c0")
-            for k, rid in enumerate(order.reservation_ids):
-                rm_c.commit(rid, [k])
-            rm_c.cache_blocks("r", [(k, H[k]) for k in range(2)])
-            rm_a.free_blocks("r", [0, 1])
+            result = await _r_moves_what_it_shares_with_w(m, 2)
             await m.release("r")  # r ends: c's copies parked ...
             rm_c.clear_cache()  # ... and evicted
-            await m.migrations.settle(
-                MigrationResult(order.migration_id, "r", "a", "c", 2, 2, cached_hashes=tuple(H[:2]))
-            )
+            await m.migrations.settle(result)
             assert m.migrations.take_orders("c0") == []
             assert (await m.cluster_state()).ledger == {"w": [("a", 2)]}
             assert rm_c.pool.num_free == 8 and [rm_a.pool.ref_count(b) for b in (0, 1)] == [1, 1]
+
+    asyncio.run(scenario())
+
+
+def test_no_reader_is_reattached_onto_a_draining_server(etcd_server, etcd_prefix):
+    """Behind the autoscaler's DrainGuard: the move's destination began draining before the move settled, so
+    the other reader is not attached there (it would have to leave again) and keeps reading the source."""
+    from infinite_llm.services.manager.autoscale import DrainGuard
+
+    async def scenario():
+        local = make_servers({"a": 8, "c": 8})
+        rm_a, rm_c = local.rmanagers["a"], local.rmanagers["c"]
+        guard = DrainGuard(local)
+        guard.rmanagers = local.rmanagers  # running_manager registers each of them
+        async with running_manager(etcd_server, etcd_prefix, guard) as m:
+            result = await _r_moves_what_it_shares_with_w(m, 2)
+            guard.set_draining(frozenset({"c"}))
+            await m.migrations.settle(result)
+            assert m.migrations.take_orders("c0") == []
+            assert (await m.cluster_state()).ledger == {"w": [("a", 2)], "r": [("c", 2)]}
+            assert rm_c.owned_blocks("w") == [] and [rm_a.pool.ref_count(b) for b in (0, 1)] == [1, 1]
+            for seq_id in ("w", "r"):
+                await m.release(seq_id)
+            assert (rm_a.pool.num_free, rm_c.pool.num_free) == (8, 8)
 
     asyncio.run(scenario())

@@ -101,6 +101,15 @@ class DrainGuard:
             return []
         return await self._servers.cache(server_id, seq_id, block_indices, hashes)
 
+    async def readers(self, server_id: str, hashes: list[bytes]) -> list[tuple[bytes, str, int]]:
+        return await self._servers.readers(server_id, hashes)
+
+    async def reserve_attach(self, server_id: str, seq_id: str, hashes: list[bytes]) -> tuple[Reservation, list[bytes]]:
+        """As ``BlockServers.reserve_attach``; a draining server holds nothing new (an empty reservation)."""
+        if server_id in self._draining:
+            return Reservation(0, ()), []
+        return await self._servers.reserve_attach(server_id, seq_id, hashes)
+
     def _settle(self, server_id: str, reservation_id: int) -> None:
         if (server_id, reservation_id) in self._open:
             self._open.discard((server_id, reservation_id))
