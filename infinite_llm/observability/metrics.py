@@ -68,6 +68,11 @@ class EngineMetrics:
         self._preemptions = preemptions
         self.preemptions = Counter(P + "num_preemptions", "Sequences preempted (recomputed later)", registry=registry)
         self._seen_preemptions = 0
+        self.step_recoveries = Counter(
+            P + "step_recoveries",
+            "Steps an attention server failed or refused, after which every running sequence was recomputed",
+            registry=registry,
+        )
         self.attention_rpc = Histogram(
             P + "attention_rpc_latency_seconds",
             "One layer of one step on one attention server (AttendStream round trip)",

@@ -11,6 +11,7 @@ from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.state.etcd_launcher import free_port
 from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, all_blocks_free, wait_until
 from tests.e2e.test_mesh_generation import TEXT
+from tests.e2e.test_observability import scrape, value
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,8 @@ def test_killed_attention_server_mid_stream_gives_identical_greedy_output(small_
     ids = local.tokenizer.encode(TEXT)[:150]  # 150 + 40 tokens: 12 rBlocks, more than one server's 8
     ref = local.generate([ids], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
     by_name = {p.name: p for p in small_mesh.attention_servers()}
+    (compute,) = small_mesh.compute_instances()
+    recoveries = value(scrape(compute.metrics_address), "infinite_llm:step_recoveries_total")
     with Client(small_mesh.router_address) as client:
         chunks = []
         stream = client.stream(ids, max_tokens=40, temperature=0, ignore_eos=True, timeout=300)
@@ -47,6 +50,7 @@ def test_killed_attention_server_mid_stream_gives_identical_greedy_output(small_
         assert chunks[-1].finish_reason == "length"
         assert victim not in chunks[-1].placement  # the tail of the request lived on the survivors
         assert chunks[-1].num_preemptions >= 1
+        assert value(scrape(compute.metrics_address), "infinite_llm:step_recoveries_total") >= recoveries + 1
         # the mesh keeps serving, and the survivors got every block back
         assert client.generate("Hello", max_tokens=3, temperature=0).finish_reason == "length"
     assert wait_until(lambda: all_blocks_free(small_mesh))

@@ -257,6 +257,8 @@ class EngineLoop:
         sequence from its tokens on the servers that remain (greedy output stays identical); give up after
         ``MAX_RECOVERIES`` failed steps in a row."""
         self._failures += 1
+        if self.metrics is not None:
+            self.metrics.step_recoveries.inc()
         if self._failures > MAX_RECOVERIES:
             log.error(
                 "step failed %d times in a row (%s); failing %d requests", self._failures, error, len(self._sinks)
