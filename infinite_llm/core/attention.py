@@ -115,16 +115,16 @@ def partial_attention(
     if num_heads % num_kv_heads:
         raise InvalidRequest(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    kind = _step_kind(meta) if meta.num_seqs and num_tokens else "empty"
+    if kind == "decode" and meta.block_ids.shape[1]:
+        out, lse = _decode_batched(query, k_cache, v_cache, meta, scale)
+        return out.to(query.dtype), lse
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.full((num_tokens, num_heads), -math.inf, dtype=torch.float32, device=query.device)
-    if meta.num_seqs == 0 or num_tokens == 0:
+    if kind in ("empty", "decode"):
         return out.to(query.dtype), lse
-    starts = meta.query_start_loc.tolist()
-    if all(starts[i + 1] - starts[i] == 1 for i in range(meta.num_seqs)):
-        if int(meta.num_blocks.max()) > LONG_DECODE_BLOCKS:
-            _decode_chunked(query, k_cache, v_cache, meta, scale, out, lse)
-        else:
-            _decode_batched(query, k_cache, v_cache, meta, scale, out, lse)
+    if kind == "long decode":
+        _decode_chunked(query, k_cache, v_cache, meta, scale, out, lse)
     else:
         seq_keys = _prefill_keys(meta, k_cache.shape[1])
         if len(seq_keys) == 1 and seq_keys[0].query_lo == 0 and seq_keys[0].query_hi == num_tokens:
@@ -137,6 +137,18 @@ def partial_attention(
 
 
 _Part = tuple[torch.Tensor, torch.Tensor]  # (out [T, H, D], lse [T, H]) fp32
+
+
+def _step_kind(meta: PartialAttentionMetadata) -> str:
+    """``"decode"`` (one query per sequence), ``"long decode"`` (one, and a context past
+    ``LONG_DECODE_BLOCKS``) or ``"prefill"``; cached on ``meta`` (every layer of a step asks)."""
+    if "kind" not in meta.cache:
+        starts = meta.query_start_loc.tolist()
+        if any(starts[i + 1] - starts[i] != 1 for i in range(meta.num_seqs)):
+            meta.cache["kind"] = "prefill"
+        else:
+            meta.cache["kind"] = "long decode" if int(meta.num_blocks.max()) > LONG_DECODE_BLOCKS else "decode"
+    return meta.cache["kind"]
 
 
 @dataclass(frozen=True)
@@ -347,22 +359,15 @@ def _decode_keys(meta: PartialAttentionMetadata, block_size: int) -> _DecodeKeys
 
 
 def _decode_batched(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: PartialAttentionMetadata,
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PartialAttentionMetadata, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence: every sequence's keys gathered into one padded batch (no Python loop).
+    Returns ``(out [num_seqs, num_heads, head_dim], lse [num_seqs, num_heads])`` fp32.
 
     GQA without copying K/V: the ``G`` query heads that share a KV head take the place of the query-length
     axis, ``q [S, Hkv, G, D]`` against ``k [S, Hkv, L, D]``; they all see the same keys.
     """
-    num_seqs, max_blocks = meta.block_ids.shape
-    if max_blocks == 0:
-        return
+    num_seqs = meta.block_ids.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2:]
     keys = _decode_keys(meta, k_cache.shape[1])
     length = keys.slots.shape[1]
@@ -373,11 +378,11 @@ def _decode_batched(
     v = v.view(num_seqs, length, num_kv_heads, head_dim).permute(0, 2, 1, 3)
     q = query.float().view(num_seqs, num_kv_heads, -1, head_dim)  # (S, Hkv, G, D)
     seq_out, seq_lse = _attention_lse(q, k, v, keys.mask, False, scale)  # (S, Hkv, G, D), (S, Hkv, G)
-    out.copy_(seq_out.reshape(out.shape))
-    lse.copy_(seq_lse.reshape(lse.shape))
+    out, lse = seq_out.reshape(query.shape), seq_lse.reshape(query.shape[:2])
     if keys.no_key is not None:  # the CPU kernel leaves these rows finite; the contract says 0 and -inf
-        out[keys.no_key] = 0.0
-        lse[keys.no_key] = -math.inf
+        out = out.masked_fill(keys.no_key[:, None, None], 0.0)
+        lse = lse.masked_fill(keys.no_key[:, None], -math.inf)
+    return out, lse
 
 
 def _decode_chunked(
@@ -470,5 +475,5 @@ def write_kv(
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     if slot_mapping.numel() == 0:
         return
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))

@@ -130,12 +130,14 @@ def rope_qk(
 class DenseOps:
     """The fusable elementwise ops of the dense layers, each with the signature of this module's torch function
     of the same name. :data:`TORCH_OPS` holds those functions; ``infinite_llm.kernels.DENSE_OPS`` dispatches
-    each call by device (Triton kernels on CUDA, these functions elsewhere)."""
+    each call by device (Triton kernels on CUDA, these functions elsewhere), and its ``for_device`` gives the
+    ops one device dispatches to, so a forward resolves them once instead of once per op and layer."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     rope_qk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+    for_device: Callable[[torch.device], DenseOps] | None = None  # None: these ops on every device
 
 
 TORCH_OPS = DenseOps(rms_norm, fused_add_rms_norm, silu_and_mul, rope_qk)
@@ -264,28 +266,21 @@ class LlamaForCausalLM(nn.Module):
         """
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, "flat [num_tokens] inputs"
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
+        ops = self.ops if self.ops.for_device is None else self.ops.for_device(h.device)
         cos, sin = self.rope(positions, h.dtype)
         # vLLM's residual stream: each sublayer's output (delta) is added to the residual by the next norm,
         # fused with it; the same sums and norms as `h = h + attn(norm(h)); h = h + mlp(norm(h))`.
         residual, delta = h, None
         for i, layer in enumerate(self.model.layers):
-            x, residual = self._add_norm(delta, residual, layer.input_layernorm)
-            delta = layer.self_attn(i, x, cos, sin, attention, self.ops)
-            x, residual = self._add_norm(delta, residual, layer.post_attention_layernorm)
-            delta = layer.mlp(x, self.ops)
+            x, residual = _add_norm(ops, delta, residual, layer.input_layernorm)
+            delta = layer.self_attn(i, x, cos, sin, attention, ops)
+            x, residual = _add_norm(ops, delta, residual, layer.post_attention_layernorm)
+            delta = layer.mlp(x, ops)
         # the last add and the final norm only for the rows whose logits are wanted
         delta = None if delta is None else delta[logits_indices]
-        x, _ = self._add_norm(delta, residual[logits_indices], self.model.norm)  # (num_logits, hidden)
+        x, _ = _add_norm(ops, delta, residual[logits_indices], self.model.norm)  # (num_logits, hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(x, weight).float()
-
-    def _add_norm(
-        self, delta: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + delta), residual + delta)``, ``[T, hidden]`` each; ``delta`` None: nothing added."""
-        if delta is None:
-            return self.ops.rms_norm(residual, norm.weight, norm.eps), residual
-        return self.ops.fused_add_rms_norm(delta, residual, norm.weight, norm.eps)
 
     def load_state_dict_hf(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up (see :data:`FUSED_HF_NAMES`).
@@ -313,6 +308,15 @@ class LlamaForCausalLM(nn.Module):
             prefix = layer[: -len(fused)]
             names.extend(f"{prefix}{part}.{leaf}" for part in FUSED_HF_NAMES[fused])
         return names
+
+
+def _add_norm(
+    ops: DenseOps, delta: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(residual + delta), residual + delta)``, ``[T, hidden]`` each; ``delta`` None: nothing added."""
+    if delta is None:
+        return ops.rms_norm(residual, norm.weight, norm.eps), residual
+    return ops.fused_add_rms_norm(delta, residual, norm.weight, norm.eps)
 
 
 def fuse_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -138,11 +138,24 @@ def rope_qk(
     return dense_reference.rope_qk(qkv, cos, sin, num_heads, num_kv_heads)
 
 
-DENSE_OPS = DenseOps(rms_norm, fused_add_rms_norm, silu_and_mul, rope_qk)
+def dense_ops_for(device: torch.device) -> DenseOps:
+    """The dense ops ``device`` dispatches to now (:func:`use_triton`): the Triton kernels or the torch
+    references, called directly (a model forward resolves them once, not once per op and layer)."""
+    if not use_triton(device):
+        return dense_reference.TORCH_OPS
+    from infinite_llm.kernels import fused
+
+    return DenseOps(
+        fused.triton_rms_norm, fused.triton_fused_add_rms_norm, fused.triton_silu_and_mul, fused.triton_rope_qk
+    )
+
+
+DENSE_OPS = DenseOps(rms_norm, fused_add_rms_norm, silu_and_mul, rope_qk, for_device=dense_ops_for)
 
 __all__ = [
     "DENSE_OPS",
     "ENV_FORCE",
+    "dense_ops_for",
     "fused_add_rms_norm",
     "merge_partials",
     "partial_attention",

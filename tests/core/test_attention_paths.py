@@ -61,7 +61,7 @@ def test_cache_on_metadata_serves_every_layer_without_changing_results():
     k_cache, v_cache, meta = _pool_meta(5, 11)
     q = torch.randn(5, 6, 8)
     first = partial_attention(q, k_cache, v_cache, meta)
-    assert len(meta.cache) == 1
+    assert set(meta.cache) == {"kind", ("prefill", k_cache.shape[1])} and meta.cache["kind"] == "prefill"
     fresh = PartialAttentionMetadata(**{f: getattr(meta, f) for f in meta.__dataclass_fields__ if f != "cache"})
     assert fresh == meta  # the cache is not part of the metadata's value
     for a, b in zip(first, partial_attention(q, k_cache, v_cache, fresh), strict=True):
