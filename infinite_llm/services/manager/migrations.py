@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from infinite_llm.core.block_pool import Reservation
-from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
 from infinite_llm.services.manager.placement import BlockServers
@@ -197,7 +197,11 @@ class Migrations:
             log.warning("migration %d of %s ended after %d of %d rBlocks: %s", result.migration_id, result.seq_id,
                         result.num_moved, result.num_blocks, result.error)  # fmt: skip
         if result.cached_hashes and result.num_moved > 0:
-            await self._follow(result)
+            try:
+                await self._follow(result)
+            except InfiniteLLMError as e:  # the move is settled; readers not followed stay on the source copy
+                log.warning("migration %d: the other readers of its %d shared rBlocks stay on %s: %s",
+                            result.migration_id, len(result.cached_hashes), result.src, e)  # fmt: skip
 
     async def _settle_reattach(self, result: MigrationResult, order: MigrationOrder | None, back: int) -> None:
         """A re-attach ended: one that flipped nothing gives its destination references back (its reservation
@@ -259,7 +263,7 @@ class Migrations:
             reservation, uncached = await self._servers.reserve_attach(dst, seq_id, [h for _, h in blocks])
             if uncached and self._servers.on_uncached is not None:
                 self._servers.on_uncached(dst, uncached)
-        except (Unavailable, NotFound, InvalidRequest) as e:
+        except InfiniteLLMError as e:  # unreachable, or refused: nothing held
             log.info("re-attach of %d rBlocks of %s on %s refused: %s", len(blocks), seq_id, dst, e)
         try:
             n = len(reservation.block_ids)
