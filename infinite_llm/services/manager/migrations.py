@@ -208,19 +208,12 @@ class Migrations:
         cancelled; a manager that took over leaves that to the reservation's expiry) and goes back to the
         source in the ledger, whose copies still serve the reader."""
         if order is not None and back > 0:
-            await self._drop_reservation(result.dst, order.reservation_ids)
+            await self._cancel(result.dst, order.reservation_ids, give_back=False)
         await self._swap(await self._ledger.read(result.seq_id), result.src, result.dst, -back, drop_empty=True)
         self.readers_moved += result.num_moved
         if result.error:
             log.warning("re-attach %d of %s ended after %d of %d rBlocks: %s", result.migration_id, result.seq_id,
                         result.num_moved, result.num_blocks, result.error)  # fmt: skip
-
-    async def _drop_reservation(self, server_id: str, reservation_ids: tuple[int, ...]) -> None:
-        for rid in reservation_ids:
-            try:
-                await self._servers.cancel(server_id, rid)
-            except (Unavailable, NotFound) as e:  # committed, expired, or the server died
-                log.info("cancel re-attach reservation %d on %s: %s", rid, server_id, e)
 
     async def _follow(self, result: MigrationResult) -> None:
         """A migration moved shared rBlocks, now cached on ``result.dst``: point the index there and give
@@ -270,7 +263,7 @@ class Migrations:
             if n < len(blocks):  # dst evicted some meanwhile: those stay on src
                 await self._swap(await self._ledger.read(seq_id), src, dst, n - len(blocks), drop_empty=True)
         except BaseException:
-            await self._drop_reservation(dst, (reservation.reservation_id,) if n else ())
+            await self._cancel(dst, (reservation.reservation_id,) if n else (), give_back=False)
             raise
         if n == 0:
             return None
@@ -313,14 +306,18 @@ class Migrations:
             raise
         return tuple(held)
 
-    async def _cancel(self, server_id: str, reservation_ids: tuple[int, ...], quiet: bool = False) -> None:
+    async def _cancel(
+        self, server_id: str, reservation_ids: tuple[int, ...], quiet: bool = False, give_back: bool = True
+    ) -> None:
+        """Cancel reservations on ``server_id``; unless ``quiet``, log what could not be cancelled and (with
+        ``give_back``; not for a re-attach's references, which took no free rBlock) return them to the view."""
         for rid in reservation_ids:
             try:
                 await self._servers.cancel(server_id, rid)
             except (Unavailable, NotFound) as e:  # committed, expired, or the server died
                 if not quiet:
                     log.info("cancel reservation %d on %s: %s", rid, server_id, e)
-        if not quiet:
+        if not quiet and give_back:
             self._view.give_back(server_id, len(reservation_ids))
 
     async def _swap(self, record: LedgerRecord, src: str, dst: str, n: int, drop_empty: bool = False) -> bool:
