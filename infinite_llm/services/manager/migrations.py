@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.prefix_cache import HASH_BYTES
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
 from infinite_llm.services.manager.placement import BlockServers
@@ -44,6 +45,11 @@ log = logging.getLogger(__name__)
 # TTL (60 s), past which an import into its reservations cannot succeed anyway.
 ORDER_TIMEOUT_S = 120.0
 SETTLED_KEPT = 4096  # settled migration ids remembered against late duplicates
+# A sequence whose migration moved nothing (its instance refused it: the sequence was preempted or finished,
+# no full rBlock was on the source, the destination failed) is not planned again for this long (seconds),
+# doubled at each further failure up to the cap; a migration that moves something clears it.
+RETRY_BACKOFF_S = 4.0
+RETRY_BACKOFF_MAX_S = 64.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class Migrations:
         self.in_flight: dict[int, MigrationOrder] = {}
         self._started: dict[int, float] = {}  # migration id -> time.monotonic() at start
         self._settled: dict[int, None] = {}  # recently settled ids (bounded): a late duplicate changes nothing
+        self._backoff: dict[str, tuple[float, int]] = {}  # seq_id -> (time.monotonic() it may move again, failures)
         self.migrations_total = 0  # settled migrations that moved at least one rBlock
         self.blocks_moved = 0
         self.bytes_moved = 0
@@ -127,6 +134,24 @@ class Migrations:
     def busy(self, seq_id: str) -> bool:
         """Whether a migration of ``seq_id`` is in flight (one at a time per sequence)."""
         return any(o.seq_id == seq_id for o in self.in_flight.values())
+
+    def backing_off(self, seq_id: str, now: float | None = None) -> bool:
+        """Whether ``seq_id``'s last migrations moved nothing and its back-off (:data:`RETRY_BACKOFF_S`,
+        doubled per failure) has not run out: the planner leaves it alone until then."""
+        entry = self._backoff.get(seq_id)
+        return entry is not None and (time.monotonic() if now is None else now) < entry[0]
+
+    def _note_outcome(self, result: MigrationResult) -> None:
+        if result.num_moved > 0:
+            self._backoff.pop(result.seq_id, None)
+            return
+        now = time.monotonic()
+        failures = self._backoff.get(result.seq_id, (0.0, 0))[1] + 1
+        delay = min(RETRY_BACKOFF_S * 2 ** (failures - 1), RETRY_BACKOFF_MAX_S)
+        self._backoff[result.seq_id] = (now + delay, failures)
+        # bounded: entries whose back-off ran out long ago are forgotten
+        for seq_id in [s for s, (until, _) in self._backoff.items() if now - until > RETRY_BACKOFF_MAX_S]:
+            del self._backoff[seq_id]
 
     async def start(self, move: Move, owner: str) -> MigrationOrder | None:
         """Reserve ``move.n_blocks`` on ``move.dst`` and shift them in the ledger; queue the order for ``owner``.
@@ -161,6 +186,39 @@ class Migrations:
                  move.src, move.dst, move.reason)  # fmt: skip
         return order
 
+    def check(self, result: MigrationResult) -> None:
+        """Refuse a malformed result before anything is settled: counts out of range, cache hashes of the
+        wrong size or more than the rBlocks moved, re-attach indices that do not fit, or an order in flight
+        whose sequence, servers or size the result contradicts. A result of an order not in flight (a new
+        leader's, or one already settled) is checked for form only: :meth:`settle` handles it.
+
+        Raises:
+            InvalidRequest: what is wrong (``param``: ``migration_results``).
+        """
+        problem = ""
+        order = self.in_flight.get(result.migration_id)
+        if not 0 <= result.num_moved <= result.num_blocks or result.bytes_moved < 0:
+            problem = f"num_moved {result.num_moved} of num_blocks {result.num_blocks}, bytes {result.bytes_moved}"
+        elif any(len(h) != HASH_BYTES for h in result.cached_hashes):
+            problem = f"cached_hashes must be {HASH_BYTES} bytes each"
+        elif len(result.cached_hashes) > result.num_moved:
+            problem = f"{len(result.cached_hashes)} cached_hashes for {result.num_moved} rBlocks moved"
+        elif result.block_indices and (
+            min(result.block_indices) < 0
+            or len(result.block_indices) != result.num_blocks
+            or result.num_moved not in (0, result.num_blocks)
+        ):
+            problem = f"block_indices {list(result.block_indices)[:8]} do not fit {result.num_blocks} rBlocks"
+        elif order is not None and (order.seq_id, order.src, order.dst, order.num_blocks) != (
+            result.seq_id,
+            result.src,
+            result.dst,
+            result.num_blocks,
+        ):
+            problem = f"it does not match order {order.migration_id} ({order.seq_id} {order.src} -> {order.dst})"
+        if problem:
+            raise InvalidRequest(f"migration result {result.migration_id}: {problem}", param="migration_results")
+
     def take_orders(self, owner: str) -> list[MigrationOrder]:
         """The orders for ``owner`` not yet handed out (each is handed out once)."""
         return self._orders.pop(owner, [])
@@ -183,6 +241,7 @@ class Migrations:
         if result.block_indices:
             await self._settle_reattach(result, order, back)
             return
+        self._note_outcome(result)
         if order is not None and back > 0:
             await self._cancel(result.dst, order.reservation_ids[result.num_moved :])
         elif order is not None:  # committed on the destination: settles a DrainGuard's count

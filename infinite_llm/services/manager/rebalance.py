@@ -4,7 +4,8 @@
 capacity view, draining servers from the autoscaler's drain guard, compute instances with their homes,
 loads and fitted step costs, the ledger's sequences and owners) into the planner's pure input, and starts
 each planned move through :class:`~.migrations.Migrations`. Only sequences whose owner is a live compute
-instance move (the owner flips its block table); one migration per sequence at a time.
+instance move (the owner flips its block table); one migration per sequence at a time, and none for a
+while after one that moved nothing (``Migrations.backing_off``: the sequence was preempted or finished).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class Rebalancer:
         started = 0
         for move in plan(view, self.config):
             owner = owners.get(move.seq_id, "")
-            if owner not in live or self.manager.migrations.busy(move.seq_id):
+            migrations = self.manager.migrations
+            if owner not in live or migrations.busy(move.seq_id) or migrations.backing_off(move.seq_id):
                 continue
             if await self.manager.migrations.start(move, owner) is not None:
                 started += 1

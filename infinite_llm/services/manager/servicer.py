@@ -160,14 +160,18 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         m.rebalancer.observe_steps(
             request.instance_id, request.num_running, request.num_tokens_held, request.num_steps, request.mean_step_s
         )
-        for r in request.migration_results:
+        results = [
+            MigrationResult(
+                r.migration_id, r.seq_id, r.src_server_id, r.dst_server_id, r.num_blocks, r.num_moved,
+                r.bytes_moved, r.error, tuple(r.cached_hashes), tuple(r.block_indices),
+            )
+            for r in request.migration_results
+        ]  # fmt: skip
+        for result in results:  # all checked before any is settled
+            m.migrations.check(result)
+        for r, result in zip(request.migration_results, results, strict=True):
             before = m.migrations.migrations_total
-            await m.migrations.settle(
-                MigrationResult(
-                    r.migration_id, r.seq_id, r.src_server_id, r.dst_server_id, r.num_blocks, r.num_moved,
-                    r.bytes_moved, r.error, tuple(r.cached_hashes), tuple(r.block_indices),
-                )
-            )  # fmt: skip
+            await m.migrations.settle(result)
             self.metrics.migrations.inc(m.migrations.migrations_total - before)
             if r.block_indices:  # a re-attach: no KV moved
                 self.metrics.reattached_rblocks.inc(r.num_moved)

@@ -189,3 +189,45 @@ def test_a_shared_blocks_readers_follow_it_over_heartbeats(etcd_server, etcd_pre
                 await w_instance.stop(deregister=False)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"num_moved": -1},
+        {"num_moved": 3},  # more than the order's 2
+        {"bytes_moved": -5},
+        {"num_moved": 2, "cached_hashes": [b"short", b"x" * 32]},
+        {"num_moved": 1, "cached_hashes": [b"x" * 32, b"y" * 32]},  # more hashes than rBlocks moved
+        {"num_moved": 2, "block_indices": [0, -1]},
+        {"seq_id": "other"},  # contradicts the order in flight
+        {"dst_server_id": "a", "src_server_id": "c"},
+    ],
+)
+def test_a_malformed_migration_result_is_refused_and_settles_nothing(etcd_server, etcd_prefix, fields):
+    """A heartbeat carrying a malformed result gets INVALID_ARGUMENT (``migration_results``) and nothing of it
+    is settled: the ledger shift and the destination's reservations stay as the order left them, and the
+    well-formed result that follows settles the order."""
+    from infinite_llm.services.manager.planner import Move
+
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m, served(m) as stub:
+            await stub.RegisterCompute(mpb.RegisterComputeRequest(**REGISTER))
+            await m.place("s", 4, owner="c0")
+            order = await m.migrations.start(Move("s", "a", "c", 2, "lend"), "c0")
+            good = dict(
+                migration_id=order.migration_id, seq_id="s", src_server_id="a", dst_server_id="c", num_blocks=2,
+                num_moved=0, error="UNAVAILABLE: the source went away",
+            )  # fmt: skip
+            bad = mpb.MigrationResult(**{**good, **fields})
+            beat = mpb.HeartbeatComputeRequest(instance_id="c0", migration_results=[bad])
+            assert await refused(stub.HeartbeatCompute, beat) == (grpc.StatusCode.INVALID_ARGUMENT, "migration_results")
+            assert (await m.cluster_state()).ledger["s"] == [("a", 2), ("c", 2)]
+            assert servers.rmanagers["c"].pool.num_free == 6 and order.migration_id in m.migrations.in_flight
+            ok = mpb.HeartbeatComputeRequest(instance_id="c0", migration_results=[mpb.MigrationResult(**good)])
+            await stub.HeartbeatCompute(ok)
+            assert (await m.cluster_state()).ledger["s"] == [("a", 4)]
+            assert servers.rmanagers["c"].pool.num_free == 8 and not m.migrations.in_flight
+
+    asyncio.run(scenario())

@@ -11,6 +11,7 @@ import pytest
 
 from infinite_llm.core.errors import CapacityExhausted
 from infinite_llm.services.manager import GlobalManager, ManagerConfig
+from infinite_llm.services.manager import migrations as migrations_module
 from infinite_llm.services.manager.autoscale import DrainGuard
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad
 from infinite_llm.services.manager.migrations import MigrationResult
@@ -182,5 +183,50 @@ def test_an_order_without_a_result_expires_and_a_late_result_changes_nothing(etc
             await m.migrations.settle(late)  # settled already: ignored
             assert (await m.cluster_state()).ledger == {"s1": [("a", 5)]}
             assert m.migrations.migrations_total == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_sequence_whose_move_failed_is_not_planned_again_until_its_backoff_runs_out(
+    etcd_server, etcd_prefix, monkeypatch
+):
+    """A refused order (a preempted sequence) is not re-ordered at every tick: back-off, doubled per failure."""
+    monkeypatch.setattr(migrations_module, "RETRY_BACKOFF_S", 0.5)
+
+    async def failed_order(m) -> None:
+        assert await m.rebalancer.tick() == 1
+        (order,) = m.migrations.take_orders("c0")
+        refused = MigrationResult(order.migration_id, "a1", "a", "b", order.num_blocks, 0, 0,
+                                  "the sequence is no longer running")  # fmt: skip
+        await m.migrations.settle(refused)
+
+    async def scenario():
+        servers = make_servers({"a": 10, "b": 10})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _two_instances(m)
+            await m.place("a1", 6, owner="c0")
+            await m.place("a2", 4, owner="c0", first_index=0)
+            await m.heartbeat_compute("c0", ComputeLoad(2, 2, 2 * 5 * 4))  # home full, 2 waiting: a debtor
+            await m.heartbeat_compute("c1", ComputeLoad(0, 0, 0))
+            await failed_order(m)
+            assert (await m.cluster_state()).ledger["a1"] == [("a", 6)]  # nothing moved, nothing reserved
+            assert servers.rmanagers["b"].pool.num_free == 10
+            assert await m.rebalancer.tick() == 0  # the same move is wanted, but a1 backs off
+            assert m.migrations.backing_off("a1") and not m.migrations.backing_off("a2")
+            await asyncio.sleep(0.6)
+            await failed_order(m)  # planned again once the back-off ran out; refused again
+            now = time.monotonic()
+            assert m.migrations.backing_off("a1", now=now + 0.8)  # doubled: 1 s
+            assert not m.migrations.backing_off("a1", now=now + 1.1)
+            await asyncio.sleep(1.1)
+            assert await m.rebalancer.tick() == 1
+            (order,) = m.migrations.take_orders("c0")
+            for i, rid in enumerate(order.reservation_ids):  # this time the instance moves them
+                servers.rmanagers["b"].commit(rid, [i])
+            servers.rmanagers["a"].free_blocks("a1", list(range(order.num_blocks)))
+            await m.migrations.settle(
+                MigrationResult(order.migration_id, "a1", "a", "b", order.num_blocks, order.num_blocks, 10)
+            )
+            assert not m.migrations.backing_off("a1", now=time.monotonic())  # a move that moved clears it
 
     asyncio.run(scenario())
