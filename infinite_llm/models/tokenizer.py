@@ -8,6 +8,7 @@ caches the result with :meth:`Tokenizer.save`). Everything is offline: the HF hu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -22,11 +23,32 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
+# transformers' class for a tokenizer that lives wholly in ``tokenizer.json`` (the ``tokenizers`` library):
+# what :meth:`Tokenizer.save` writes, so every tokenizer the model cache converted from a GGUF file.
+TOKENIZERS_BACKEND = "TokenizersBackend"
+
+
 def _auto_tokenizer() -> Any:
     """``transformers.AutoTokenizer``, imported lazily (transformers takes ~2 s to import)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer
+
+
+def _tokenizer_class(path: Path) -> Any:
+    """The class that loads the tokenizer files in ``path``: ``TokenizersBackend`` itself when
+    ``tokenizer_config.json`` names it, else ``AutoTokenizer``, which resolves the same class for that name
+    but imports torch on the way (its config module does: ~3 s and ~190 MB more in the router and the
+    gateway, which never run the model)."""
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named == TOKENIZERS_BACKEND:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend
+    return _auto_tokenizer()
 
 
 class Tokenizer:
@@ -49,7 +71,7 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
             raise NotFound(f"no tokenizer.json / tokenizer_config.json in {path}")
-        return cls(_auto_tokenizer().from_pretrained(path, local_files_only=True), eos_token_ids)
+        return cls(_tokenizer_class(path).from_pretrained(path, local_files_only=True), eos_token_ids)
 
     @classmethod
     def from_gguf(cls, gguf_path: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:

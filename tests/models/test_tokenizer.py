@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +155,29 @@ def test_stream_of_random_tokens_matches_decode(tok):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
         pieces, rest = stream(tok, ids)
         assert "".join(pieces) + rest == tok.decode(ids), ids
+
+
+@pytest.mark.parametrize("tokenizer_class", [None, "PreTrainedTokenizerFast"])
+def test_a_tokenizer_dir_naming_another_class_loads_through_auto_tokenizer(tok, tmp_path, tokenizer_class):
+    """The cache's tokenizers name ``TokenizersBackend`` and load through it directly (no torch import); a
+    directory that names another class, or none, still goes through ``AutoTokenizer`` and encodes the same."""
+    import json
+    import shutil
+
+    from infinite_llm.models.tokenizer import TOKENIZERS_BACKEND, Tokenizer
+
+    assert type(tok.hf).__name__ == TOKENIZERS_BACKEND  # the cached tokenizer, as the fixture loaded it
+    src = Path(tok.hf.name_or_path)
+    shutil.copytree(src, tmp_path / "tok")
+    config_path = tmp_path / "tok" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if tokenizer_class is None:
+        del config["tokenizer_class"]
+    else:
+        config["tokenizer_class"] = tokenizer_class
+    config_path.write_text(json.dumps(config))
+    other = Tokenizer.from_dir(tmp_path / "tok", tok.eos_token_ids)
+    for text in TEXTS:
+        assert other.encode(text) == tok.encode(text)
+    assert other.apply_chat_template(CHATS[1]) == tok.apply_chat_template(CHATS[1])
+    assert (other.vocab_size, other.eos_token_ids, other.bos_token_id) == (49152, (2,), 1)
