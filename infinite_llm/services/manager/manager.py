@@ -143,6 +143,7 @@ class GlobalManager:
         """Stop watching; ``resign`` gives up leadership at once (else it lapses after ``leader_ttl_s``)."""
         await self.membership.stop()
         await self.computes.stop()
+        await self.migrations.stop()
         await self.leadership.close(resign)
 
     @property

@@ -24,6 +24,7 @@ reading it (never wrong KV; the block stays until it ends or moves like any othe
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -50,6 +51,8 @@ SETTLED_KEPT = 4096  # settled migration ids remembered against late duplicates
 # doubled at each further failure up to the cap; a migration that moves something clears it.
 RETRY_BACKOFF_S = 4.0
 RETRY_BACKOFF_MAX_S = 64.0
+# Readers of moved shared rBlocks re-attached at once (each: a ledger write and a reserving attach)
+FOLLOW_CONCURRENCY = 8
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class Migrations:
         self.readers_moved = 0  # block-table entries re-attached to a moved shared rBlock
         # The prefix index (set by the manager): a moved shared rBlock's hash is pointed at its new server.
         self.prefix_index: PrefixIndex | None = None
+        self._following: set[asyncio.Task] = set()  # background follows of settled moves (see settle)
 
     def busy(self, seq_id: str) -> bool:
         """Whether a migration of ``seq_id`` is in flight (one at a time per sequence)."""
@@ -256,11 +260,31 @@ class Migrations:
             log.warning("migration %d of %s ended after %d of %d rBlocks: %s", result.migration_id, result.seq_id,
                         result.num_moved, result.num_blocks, result.error)  # fmt: skip
         if result.cached_hashes and result.num_moved > 0:
-            try:
-                await self._follow(result)
-            except InfiniteLLMError as e:  # the move is settled; readers not followed stay on the source copy
-                log.warning("migration %d: the other readers of its %d shared rBlocks stay on %s: %s",
-                            result.migration_id, len(result.cached_hashes), result.src, e)  # fmt: skip
+            # In the background: a shared prefix may have hundreds of readers, and the heartbeat that carried
+            # this result (with its new orders) should not wait for their round trips.
+            task = asyncio.get_running_loop().create_task(self._follow_logged(result))
+            self._following.add(task)
+            task.add_done_callback(self._following.discard)
+
+    async def followed(self) -> None:
+        """Wait until the readers of every move settled so far have been followed (their orders queued)."""
+        while self._following:
+            await asyncio.wait(set(self._following))
+
+    async def stop(self) -> None:
+        """Cancel the follows still running (a re-attach not queued leaves its reader on the source copy)."""
+        for task in list(self._following):
+            task.cancel()
+        await asyncio.gather(*self._following, return_exceptions=True)
+
+    async def _follow_logged(self, result: MigrationResult) -> None:
+        try:
+            await self._follow(result)
+        except InfiniteLLMError as e:  # the move is settled; readers not followed stay on the source copy
+            log.warning("migration %d: the other readers of its %d shared rBlocks stay on %s: %s",
+                        result.migration_id, len(result.cached_hashes), result.src, e)  # fmt: skip
+        except Exception:  # noqa: BLE001 - a background task: nobody else would see it
+            log.exception("migration %d: following the readers of its shared rBlocks failed", result.migration_id)
 
     async def _settle_reattach(self, result: MigrationResult, order: MigrationOrder | None, back: int) -> None:
         """A re-attach ended: one that flipped nothing gives its destination references back (its reservation
@@ -289,8 +313,16 @@ class Migrations:
         for block_hash, seq_id, index in found:
             if seq_id != result.seq_id:
                 per_seq.setdefault(seq_id, []).append((index, block_hash))
-        for seq_id, blocks in per_seq.items():
-            await self.reattach(seq_id, result.src, result.dst, sorted(blocks))
+        slots = asyncio.Semaphore(FOLLOW_CONCURRENCY)
+
+        async def follow(seq_id: str, blocks: list[tuple[int, bytes]]) -> None:
+            async with slots:
+                try:
+                    await self.reattach(seq_id, result.src, result.dst, sorted(blocks))
+                except InfiniteLLMError as e:  # this reader stays on the source copy; the others go on
+                    log.warning("re-attach of %s to %s failed: %s", seq_id, result.dst, e)
+
+        await asyncio.gather(*(follow(seq_id, blocks) for seq_id, blocks in per_seq.items()))
 
     async def reattach(self, seq_id: str, src: str, dst: str, blocks: list[tuple[int, bytes]]) -> MigrationOrder | None:
         """Move ``seq_id``'s references to shared rBlocks from ``src`` to the copies cached on ``dst``:

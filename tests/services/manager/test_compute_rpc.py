@@ -176,6 +176,7 @@ def test_a_shared_blocks_readers_follow_it_over_heartbeats(etcd_server, etcd_pre
                     num_moved=2, bytes_moved=200, cached_hashes=hashes,
                 )  # fmt: skip
                 await stub.HeartbeatCompute(mpb.HeartbeatComputeRequest(instance_id="c1", migration_results=[moved]))
+                await m.migrations.followed()  # the readers are followed in the background
                 assert (await m.cluster_state()).ledger["w"] == [("a", 0), ("c", 2)]
                 c_copies = rm_c.owned_blocks("r")
                 assert [rm_c.pool.ref_count(b) for b in c_copies] == [2, 2]  # r's, and the reservation for w

@@ -279,6 +279,7 @@ def test_a_migrated_shared_block_takes_all_its_readers_with_it(etcd_server, etcd
             await m.migrations.settle(
                 MigrationResult(order.migration_id, "r", "a", "c", 3, 3, 300, cached_hashes=tuple(H[:3]))
             )
+            await m.migrations.followed()  # the readers are followed in the background
             assert [m.prefix.index.server_of(h) for h in H[:3]] == ["c"] * 3
             assert await m.prefix.index.load() == 3 and m.prefix.blocks_per_server() == {"c": 3}  # etcd says so too
             (w_order,) = m.migrations.take_orders("c0")
@@ -344,6 +345,7 @@ def test_a_reader_whose_copy_was_evicted_on_the_destination_stays_on_the_source(
             await m.release("r")  # r ends: c's copies parked ...
             rm_c.clear_cache()  # ... and evicted
             await m.migrations.settle(result)
+            await m.migrations.followed()
             assert m.migrations.take_orders("c0") == []
             assert (await m.cluster_state()).ledger == {"w": [("a", 2)]}
             assert rm_c.pool.num_free == 8 and [rm_a.pool.ref_count(b) for b in (0, 1)] == [1, 1]
@@ -365,11 +367,49 @@ def test_no_reader_is_reattached_onto_a_draining_server(etcd_server, etcd_prefix
             result = await _r_moves_what_it_shares_with_w(m, 2)
             guard.set_draining(frozenset({"c"}))
             await m.migrations.settle(result)
+            await m.migrations.followed()
             assert m.migrations.take_orders("c0") == []
             assert (await m.cluster_state()).ledger == {"w": [("a", 2)], "r": [("c", 2)]}
             assert rm_c.owned_blocks("w") == [] and [rm_a.pool.ref_count(b) for b in (0, 1)] == [1, 1]
             for seq_id in ("w", "r"):
                 await m.release(seq_id)
             assert (rm_a.pool.num_free, rm_c.pool.num_free) == (8, 8)
+
+    asyncio.run(scenario())
+
+
+def test_a_moved_prefix_with_more_readers_than_the_follow_concurrency_reattaches_every_one(etcd_server, etcd_prefix):
+    """A system prompt read by many sequences: settling the move returns at once, and the readers (more than
+    ``FOLLOW_CONCURRENCY`` of them, followed at most that many at a time in the background) each get one
+    re-attach order with its ledger shifted and a reference held on the destination's copy."""
+    from infinite_llm.services.manager.migrations import FOLLOW_CONCURRENCY
+
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 8})
+        rm_c = servers.rmanagers["c"]
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            result = await _r_moves_what_it_shares_with_w(m, 2)  # w reads them too
+            readers = ["w"] + [f"q{i}" for i in range(2 * FOLLOW_CONCURRENCY)]
+            for seq_id in readers[1:]:
+                assert await m.prefix.match(seq_id, H[:2], owner="c0") == [Grant("a", 2, (0, 1))]
+            await m.migrations.settle(result)
+            await m.migrations.followed()
+            orders = m.migrations.take_orders("c0")
+            assert sorted((o.seq_id, o.block_indices, o.src, o.dst) for o in orders) == sorted(
+                (s, (0, 1), "a", "c") for s in readers
+            )
+            ledger = (await m.cluster_state()).ledger
+            assert all(ledger[s] == [("a", 0), ("c", 2)] for s in readers)
+            copies = rm_c.owned_blocks("r")
+            assert [rm_c.pool.ref_count(b) for b in copies] == [1 + len(readers)] * 2  # r's and each reservation
+            for o in orders:  # the instances never report: every reservation is cancelled, every ledger goes back
+                await m.migrations.settle(
+                    MigrationResult(o.migration_id, o.seq_id, "a", "c", 2, 0, 0, "refused", block_indices=(0, 1))
+                )
+            assert [rm_c.pool.ref_count(b) for b in copies] == [1, 1] and rm_c.pool.num_reserved == 0
+            ledger = (await m.cluster_state()).ledger
+            assert all(ledger[s] == [("a", 2)] for s in readers)
+
+    from infinite_llm.services.manager.migrations import MigrationResult
 
     asyncio.run(scenario())
