@@ -27,6 +27,7 @@ def small_mesh(default_model_path):
         yield m
 
 
+@pytest.mark.step_recoveries  # it stops an attention server mid-step
 def test_killed_attention_server_mid_stream_gives_identical_greedy_output(small_mesh, make_engine):
     local = make_engine(num_kv_blocks=256)
     ids = local.tokenizer.encode(TEXT)[:150]  # 150 + 40 tokens: 12 rBlocks, more than one server's 8

@@ -163,6 +163,7 @@ def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh):
     print(f"etcd down 3 s: no orphans {seconds_to_clean(mesh, 4 * TTL_S):.1f} s after the streams ended")
 
 
+@pytest.mark.step_recoveries  # it stops an attention server mid-step
 def test_attention_server_paused_past_its_lease_is_fenced_and_rejoins_empty(fault_mesh):
     mesh = fault_mesh
     ref = references(mesh, max_tokens=48)

@@ -137,6 +137,7 @@ def test_output_is_identical_after_the_cached_blocks_were_evicted(mesh2, local, 
     assert wait_until(lambda: _settled(mesh2))
 
 
+@pytest.mark.step_recoveries  # it stops an attention server mid-step
 def test_losing_the_server_of_a_shared_block_mid_request_recomputes_with_identical_output(mesh2, local, doc):
     c0, c1 = (p.address for p in mesh2.compute_instances())
     p1 = doc + _question(local, "\nWho wrote it?")

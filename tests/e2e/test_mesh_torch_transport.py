@@ -84,6 +84,7 @@ def test_client_disconnect_mid_stream_frees_every_block_over_tensor_channels(cli
     )
 
 
+@pytest.mark.step_recoveries  # it stops an attention server mid-step
 def test_killed_attention_server_mid_stream_over_tensor_channels_gives_identical_greedy_output(
     client, local, torch_mesh
 ):
