@@ -134,6 +134,7 @@ def build_engine(
         block_size=work.block_size, num_kv_blocks=work.kv_blocks, num_partitions=num_partitions,
         max_num_seqs=max(work.batches), max_num_batched_tokens=work.token_budget, dtype=dtype, device=device,
         enforce_eager=enforce_eager, static_decode_without_graphs=not enforce_eager and device == "cpu",
+        enable_prefix_caching=False,  # warm-up and timed runs repeat their prompts; HF prefills them in full
     )  # fmt: skip
     state_dict = {name: t.detach() for name, t in hf.state_dict().items()}
     return LLMEngine.from_weights(model_config, state_dict, TokenIdTokenizer(), config)

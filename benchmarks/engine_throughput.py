@@ -13,6 +13,9 @@ not decide a ratio.
 - Decode: batch 1 and 16; decode is isolated from prefill by timing each run with ``n`` and with 1 new token
   and dividing the extra tokens by the extra time.
 
+The engine runs without its prefix cache: every figure repeats the same prompts, so with the cache (on by
+default) each run after the first would prefill from cached rBlocks, which HF cannot.
+
 Run: ``.venv/bin/python benchmarks/engine_throughput.py`` (a few minutes on 2 CPU cores).
 """
 
@@ -150,7 +153,10 @@ def main() -> None:
     budgets = {DEFAULT_BUDGET, max(a.prompt_lengths, default=DEFAULT_BUDGET)}
     engines = {
         b: LLMEngine.from_weights(
-            cfg, state_dict, tokenizer, EngineConfig(num_partitions=a.partitions, max_num_batched_tokens=b)
+            cfg,
+            state_dict,
+            tokenizer,
+            EngineConfig(num_partitions=a.partitions, max_num_batched_tokens=b, enable_prefix_caching=False),
         )
         for b in budgets
     }

@@ -60,6 +60,7 @@ def measure_mesh(transport: str, batches: list[int], tokenizer, new_tokens: int)
         kv_memory_bytes=256 << 20,
         router_port=free_port(),
         transport=transport,
+        prefix_caching=False,  # the runs repeat their prompts: each side prefills them in full, as HF would
     )
     out = {}
     with LocalMesh(config) as mesh, Client(mesh.router_address, tls=mesh.tls("client")) as client:
@@ -83,7 +84,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     a = ap.parse_args()
     cfg, state_dict, tokenizer = load_model_files(resolve_model(None), torch.float32)
-    engine = LLMEngine.from_weights(cfg, state_dict, tokenizer, EngineConfig(num_partitions=3))
+    engine = LLMEngine.from_weights(
+        cfg, state_dict, tokenizer, EngineConfig(num_partitions=3, enable_prefix_caching=False)
+    )
 
     def local_ms(b: int) -> float:
         return step_ms(lambda i, n: local_seconds(engine, i, n), prompts(tokenizer, b), a.new_tokens)

@@ -25,6 +25,14 @@ async def _two_instances(m) -> None:
     await m.register_compute(ComputeInfo("c1", "127.0.0.1:50071", ("b",)))
 
 
+async def _c0_in_debt(m) -> None:
+    """c0's home a (10 rBlocks) full with a1 (6) and a2 (4), and 2 requests waiting: a debtor."""
+    await _two_instances(m)
+    await m.place("a1", 6, owner="c0")
+    await m.place("a2", 4, owner="c0", first_index=0)
+    await m.heartbeat_compute("c0", ComputeLoad(2, 2, 2 * 5 * 4))
+
+
 def _shares(grants) -> list[tuple[str, int]]:
     return [(g.server_id, g.n_blocks) for g in grants]
 
@@ -116,11 +124,8 @@ def test_planner_tick_orders_the_debtors_best_move(etcd_server, etcd_prefix):
     async def scenario():
         servers = make_servers({"a": 10, "b": 10})
         async with running_manager(etcd_server, etcd_prefix, servers) as m:
-            await _two_instances(m)
-            await m.place("a1", 6, owner="c0")
-            await m.place("a2", 4, owner="c0", first_index=0)
+            await _c0_in_debt(m)
             await m.place("b1", 1, owner="c1")
-            await m.heartbeat_compute("c0", ComputeLoad(2, 2, 2 * 5 * 4))  # home full, 2 waiting
             await m.heartbeat_compute("c1", ComputeLoad(1, 0, 4))
             view = await m.rebalancer.cluster_view()
             assert [(s.server_id, s.free_blocks) for s in view.servers] == [("a", 0), ("b", 9)]
@@ -203,10 +208,7 @@ def test_a_sequence_whose_move_failed_is_not_planned_again_until_its_backoff_run
     async def scenario():
         servers = make_servers({"a": 10, "b": 10})
         async with running_manager(etcd_server, etcd_prefix, servers) as m:
-            await _two_instances(m)
-            await m.place("a1", 6, owner="c0")
-            await m.place("a2", 4, owner="c0", first_index=0)
-            await m.heartbeat_compute("c0", ComputeLoad(2, 2, 2 * 5 * 4))  # home full, 2 waiting: a debtor
+            await _c0_in_debt(m)
             await m.heartbeat_compute("c1", ComputeLoad(0, 0, 0))
             await failed_order(m)
             assert (await m.cluster_state()).ledger["a1"] == [("a", 6)]  # nothing moved, nothing reserved
