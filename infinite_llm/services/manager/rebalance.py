@@ -105,13 +105,12 @@ class Rebalancer:
         view = await self.cluster_view()
         owners = {s.seq_id: s.owner for s in view.seqs}
         live = {i.instance_id for i in view.instances}
-        started = 0
+        started, migrations = 0, self.manager.migrations
         for move in plan(view, self.config):
             owner = owners.get(move.seq_id, "")
-            migrations = self.manager.migrations
             if owner not in live or migrations.busy(move.seq_id) or migrations.backing_off(move.seq_id):
                 continue
-            if await self.manager.migrations.start(move, owner) is not None:
+            if await migrations.start(move, owner) is not None:
                 started += 1
         return started
 
