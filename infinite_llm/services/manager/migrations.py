@@ -32,7 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from infinite_llm.core.block_pool import Reservation
-from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.errors import (
+    CapacityExhausted,
+    InfiniteLLMError,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from infinite_llm.core.prefix_cache import HASH_BYTES
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
@@ -69,6 +76,7 @@ class MigrationOrder:
     dst_address: str
     reservation_ids: tuple[int, ...]
     block_indices: tuple[int, ...] = ()
+    owner: str = ""  # the compute instance the order is handed to (the only one that may report its result)
 
     @property
     def num_blocks(self) -> int:
@@ -182,7 +190,9 @@ class Migrations:
         if not done:
             await self._cancel(move.dst, held)
             return None
-        order = MigrationOrder(next(self._ids), move.seq_id, move.src, src_address, move.dst, dst_address, held)
+        order = MigrationOrder(
+            next(self._ids), move.seq_id, move.src, src_address, move.dst, dst_address, held, owner=owner
+        )
         self.in_flight[order.migration_id] = order
         self._started[order.migration_id] = time.monotonic()
         self._orders.setdefault(owner, []).append(order)
@@ -190,17 +200,24 @@ class Migrations:
                  move.src, move.dst, move.reason)  # fmt: skip
         return order
 
-    def check(self, result: MigrationResult) -> None:
-        """Refuse a malformed result before anything is settled: counts out of range, cache hashes of the
-        wrong size or more than the rBlocks moved, re-attach indices that do not fit, or an order in flight
-        whose sequence, servers or size the result contradicts. A result of an order not in flight (a new
-        leader's, or one already settled) is checked for form only: :meth:`settle` handles it.
+    def check(self, result: MigrationResult, instance_id: str) -> None:
+        """Refuse a result that compute instance ``instance_id`` may not report, before anything is settled:
+        counts out of range, cache hashes of the wrong size or more than the rBlocks moved, re-attach indices
+        that do not fit, or an order in flight whose sequence, servers or size the result contradicts or that
+        was handed to another instance. A result of an order not in flight (a new leader's, or one already
+        settled) is checked for form only: :meth:`settle` handles it.
 
         Raises:
             InvalidRequest: what is wrong (``param``: ``migration_results``).
+            PermissionDenied: the order in flight belongs to another compute instance.
         """
         problem = ""
         order = self.in_flight.get(result.migration_id)
+        if order is not None and order.owner and order.owner != instance_id:
+            raise PermissionDenied(
+                f"migration {result.migration_id} was ordered from compute instance {order.owner}, not {instance_id}",
+                param="migration_results",
+            )
         if not 0 <= result.num_moved <= result.num_blocks or result.bytes_moved < 0:
             problem = f"num_moved {result.num_moved} of num_blocks {result.num_blocks}, bytes {result.bytes_moved}"
         elif any(len(h) != HASH_BYTES for h in result.cached_hashes):
@@ -360,7 +377,9 @@ class Migrations:
             return None
         indices = tuple(i for i, _ in blocks[:n])
         rids = (reservation.reservation_id,)
-        order = MigrationOrder(next(self._ids), seq_id, src, src_address, dst, dst_address, rids, indices)
+        order = MigrationOrder(
+            next(self._ids), seq_id, src, src_address, dst, dst_address, rids, indices, owner=record.owner
+        )
         self.in_flight[order.migration_id] = order
         self._started[order.migration_id] = time.monotonic()
         self._orders.setdefault(record.owner, []).append(order)

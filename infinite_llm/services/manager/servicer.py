@@ -168,7 +168,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             for r in request.migration_results
         ]  # fmt: skip
         for result in results:  # all checked before any is settled
-            m.migrations.check(result)
+            m.migrations.check(result, request.instance_id)
         for r, result in zip(request.migration_results, results, strict=True):
             before = m.migrations.migrations_total
             await m.migrations.settle(result)

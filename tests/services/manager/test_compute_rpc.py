@@ -232,3 +232,33 @@ def test_a_malformed_migration_result_is_refused_and_settles_nothing(etcd_server
             assert servers.rmanagers["c"].pool.num_free == 8 and not m.migrations.in_flight
 
     asyncio.run(scenario())
+
+
+def test_only_the_instance_an_order_was_handed_to_may_report_its_result(etcd_server, etcd_prefix):
+    """Compute instance c1 reports a result of c0's migration order: PERMISSION_DENIED, nothing settled; c0's
+    own report settles it."""
+    from infinite_llm.services.manager.planner import Move
+
+    async def scenario():
+        servers = make_servers({"a": 8, "c": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m, served(m) as stub:
+            for iid in ("c0", "c1"):
+                await stub.RegisterCompute(mpb.RegisterComputeRequest(**{**REGISTER, "instance_id": iid}))
+            await m.place("s", 4, owner="c0")
+            order = await m.migrations.start(Move("s", "a", "c", 2, "lend"), "c0")
+            result = mpb.MigrationResult(
+                migration_id=order.migration_id, seq_id="s", src_server_id="a", dst_server_id="c", num_blocks=2,
+                num_moved=0, error="UNAVAILABLE: the source went away",
+            )  # fmt: skip
+            forged = mpb.HeartbeatComputeRequest(instance_id="c1", migration_results=[result])
+            assert await refused(stub.HeartbeatCompute, forged) == (
+                grpc.StatusCode.PERMISSION_DENIED,
+                "migration_results",
+            )
+            assert (await m.cluster_state()).ledger["s"] == [("a", 2), ("c", 2)]
+            assert order.migration_id in m.migrations.in_flight
+            await stub.HeartbeatCompute(mpb.HeartbeatComputeRequest(instance_id="c0", migration_results=[result]))
+            assert (await m.cluster_state()).ledger["s"] == [("a", 4)] and not m.migrations.in_flight
+            assert servers.rmanagers["c"].pool.num_free == 8
+
+    asyncio.run(scenario())
