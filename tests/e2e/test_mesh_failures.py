@@ -9,7 +9,7 @@ from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.state.etcd_launcher import free_port
-from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, all_blocks_free, wait_until
+from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, RECOVERIES, all_blocks_free, wait_until
 from tests.e2e.test_mesh_generation import TEXT
 from tests.e2e.test_observability import scrape, value
 
@@ -34,7 +34,7 @@ def test_killed_attention_server_mid_stream_gives_identical_greedy_output(small_
     ref = local.generate([ids], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
     by_name = {p.name: p for p in small_mesh.attention_servers()}
     (compute,) = small_mesh.compute_instances()
-    recoveries = value(scrape(compute.metrics_address), "infinite_llm:step_recoveries_total")
+    recoveries = value(scrape(compute.metrics_address), RECOVERIES)
     with Client(small_mesh.router_address) as client:
         chunks = []
         stream = client.stream(ids, max_tokens=40, temperature=0, ignore_eos=True, timeout=300)
@@ -51,7 +51,7 @@ def test_killed_attention_server_mid_stream_gives_identical_greedy_output(small_
         assert chunks[-1].finish_reason == "length"
         assert victim not in chunks[-1].placement  # the tail of the request lived on the survivors
         assert chunks[-1].num_preemptions >= 1
-        assert value(scrape(compute.metrics_address), "infinite_llm:step_recoveries_total") >= recoveries + 1
+        assert value(scrape(compute.metrics_address), RECOVERIES) >= recoveries + 1
         # the mesh keeps serving, and the survivors got every block back
         assert client.generate("Hello", max_tokens=3, temperature=0).finish_reason == "length"
     assert wait_until(lambda: all_blocks_free(small_mesh))

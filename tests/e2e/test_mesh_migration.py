@@ -71,8 +71,6 @@ def test_a_shared_prefix_migrates_with_both_readers_and_keeps_their_greedy_outpu
     asked = doc + tokens[700:720]
     manager = next(p for p in mesh.procs if p.role == "manager")
     before = value(scrape(manager.metrics_address), "infinite_llm:reattached_rblocks_total")
-    (compute,) = mesh.compute_instances()
-    recoveries = value(scrape(compute.metrics_address), "infinite_llm:step_recoveries_total")
     params = dict(temperature=0, ignore_eos=True)
 
     def stream(ids: list[int], n: int, started: threading.Event) -> list[int]:
@@ -101,8 +99,8 @@ def test_a_shared_prefix_migrates_with_both_readers_and_keeps_their_greedy_outpu
     assert [out_short.token_ids, out_w, out_r.token_ids] == want
     reattached = value(scrape(manager.metrics_address), "infinite_llm:reattached_rblocks_total") - before
     assert reattached >= 1, f"no reader followed a moved shared rBlock (logs: {mesh.log_dir})"
-    # no step saw tables its servers disagree with (the engine would recompute: same tokens, so say it here)
-    assert value(scrape(compute.metrics_address), "infinite_llm:step_recoveries_total") == recoveries
+    # No step saw tables its servers disagree with: the engine would recompute (same tokens), which the e2e
+    # conftest's check of step_recoveries_total fails this test for.
     assert wait_until(lambda: all_blocks_free(mesh), timeout_s=20)
 
 

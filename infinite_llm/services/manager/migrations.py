@@ -195,7 +195,7 @@ class Migrations:
         )
         self.in_flight[order.migration_id] = order
         self._started[order.migration_id] = time.monotonic()
-        self._orders.setdefault(owner, []).append(order)
+        self._orders.setdefault(order.owner, []).append(order)
         log.info("migration %d: %d rBlocks of %s %s -> %s (%s)", order.migration_id, move.n_blocks, move.seq_id,
                  move.src, move.dst, move.reason)  # fmt: skip
         return order
@@ -382,7 +382,7 @@ class Migrations:
         )
         self.in_flight[order.migration_id] = order
         self._started[order.migration_id] = time.monotonic()
-        self._orders.setdefault(record.owner, []).append(order)
+        self._orders.setdefault(order.owner, []).append(order)
         log.info("re-attach %d: %d shared rBlocks of %s %s -> %s", order.migration_id, n, seq_id, src, dst)
         return order
 

@@ -169,15 +169,15 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         ]  # fmt: skip
         for result in results:  # all checked before any is settled
             m.migrations.check(result, request.instance_id)
-        for r, result in zip(request.migration_results, results, strict=True):
+        for result in results:
             before = m.migrations.migrations_total
             await m.migrations.settle(result)
             self.metrics.migrations.inc(m.migrations.migrations_total - before)
-            if r.block_indices:  # a re-attach: no KV moved
-                self.metrics.reattached_rblocks.inc(r.num_moved)
+            if result.block_indices:  # a re-attach: no KV moved
+                self.metrics.reattached_rblocks.inc(result.num_moved)
                 continue
-            self.metrics.migrated_rblocks.inc(r.num_moved)
-            self.metrics.migrated_bytes.inc(r.bytes_moved)
+            self.metrics.migrated_rblocks.inc(result.num_moved)
+            self.metrics.migrated_bytes.inc(result.bytes_moved)
         orders = [
             mpb.MigrationOrder(
                 migration_id=o.migration_id, seq_id=o.seq_id, src_server_id=o.src, src_address=o.src_address,
