@@ -5,7 +5,8 @@ installed on demand), any llama-arch ``.gguf`` file, or an HF checkpoint directo
 safetensors + tokenizer files). A GGUF's tokenizer is converted once into a cache entry
 ``$INFINITE_LLM_MODEL_CACHE/<stem>-<key>/`` (``tokenizer/`` + ``model_config.json``), and its weights are
 dequantized once into ``weights-<dtype>.safetensors`` beside them (up to ``WEIGHT_CACHE_MAX_BYTES``), so later
-loads are fast.
+loads are fast. An entry records its GGUF (``source.json``); building one removes the entries whose GGUF is
+gone or changed since (a reinstalled package or a deleted clone would otherwise leave ~0.5 GB each behind).
 Nothing here touches the network except the one ``pip install`` of the default model.
 """
 
@@ -43,6 +44,7 @@ CACHE_ENV = "INFINITE_LLM_MODEL_CACHE"
 # SmolLM2-135M's Q4_1 takes ~8 s on 2 cores at every process start, reading the kept copy (memory-mapped)
 # ~0.01 s; larger models are dequantized at each load rather than fill the disk (70B in fp32: 280 GB).
 WEIGHT_CACHE_MAX_BYTES = 4 << 30
+SOURCE_FILE = "source.json"  # in a cache entry: the GGUF it was built from (path, size, mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -103,16 +105,44 @@ def fetch_default_model() -> Path:
 
 def gguf_cache_entry(gguf_path: Path) -> Path:
     """Cache entry of a GGUF file, keyed by its absolute path, size and mtime (a changed file: a new key)."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    source = _gguf_source(gguf_path)
+    key = hashlib.sha256(f"{source['path']}|{source['size']}|{source['mtime_ns']}".encode()).hexdigest()[:12]
     return model_cache_dir() / f"{gguf_path.stem}-{key}"
+
+
+def _gguf_source(gguf_path: Path) -> dict[str, str | int]:
+    """What keys a GGUF's cache entry: its absolute path, size (bytes) and mtime (ns)."""
+    stat = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def prune_stale_entries(cache_dir: Path, keep: Path) -> list[Path]:
+    """Remove the cache entries (other than ``keep``) whose recorded GGUF no longer exists or has changed
+    since the entry was built; return them. Entries without a ``source.json`` (built by older versions, or
+    being built) are left alone. A process still using a removed entry keeps reading it: on POSIX a file
+    mapped or open stays readable until closed."""
+    removed = []
+    for entry in cache_dir.iterdir():
+        if entry == keep or entry.name.startswith(".") or not entry.is_dir():
+            continue
+        try:
+            recorded = json.loads((entry / SOURCE_FILE).read_text())
+            path = Path(recorded["path"])
+            current = _gguf_source(path) if path.is_file() else None
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if current != recorded:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def prepare_gguf_cache(gguf_path: Path) -> Path:
     """Build the cache entry of ``gguf_path`` unless it exists; return it.
 
     Built in a temporary sibling directory and renamed into place, so concurrent processes never see a
-    half-written entry (the loser of a race discards its copy).
+    half-written entry (the loser of a race discards its copy). A new entry then prunes the stale ones
+    (:func:`prune_stale_entries`).
     """
     entry = gguf_cache_entry(gguf_path)
     if entry.is_dir():
@@ -123,6 +153,7 @@ def prepare_gguf_cache(gguf_path: Path) -> Path:
         cfg = gguf_config(open_gguf(gguf_path))
         (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         Tokenizer.from_gguf(gguf_path).save(tmp / "tokenizer")
+        (tmp / SOURCE_FILE).write_text(json.dumps(_gguf_source(gguf_path)))
         try:
             tmp.rename(entry)
         except OSError:
@@ -130,6 +161,8 @@ def prepare_gguf_cache(gguf_path: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for stale in prune_stale_entries(entry.parent, keep=entry):
+        print(f"infinite-llm: removed the model cache entry {stale} (its GGUF is gone or changed)", file=sys.stderr)
     return entry
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +41,37 @@ def test_resolving_the_gguf_path_reuses_the_cache_entry(cold_default_model, defa
     assert (again.format, again.path) == ("gguf", default_model_path)
     assert again.tokenizer_dir == resolved.tokenizer_dir
     assert again.name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_a_new_entry_removes_the_entries_whose_gguf_is_gone_or_changed(
+    cold_default_model, default_model_path, tmp_path, monkeypatch, capsys
+):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(registry.CACHE_ENV, str(cache))
+    converted = cold_default_model[0].tokenizer_dir  # the same GGUF's tokenizer: reused, not converted 4 times
+    monkeypatch.setattr(registry.Tokenizer, "from_gguf", lambda path: registry.Tokenizer.from_dir(converted))
+    ggufs = {name: tmp_path / name / default_model_path.name for name in ("deleted", "changed", "new")}
+    for path in list(ggufs.values())[:2]:
+        path.parent.mkdir()
+        shutil.copy(default_model_path, path)
+    entries = {name: registry.resolve_model(str(ggufs[name])).tokenizer_dir.parent for name in ("deleted", "changed")}
+    legacy = cache / "SmolLM2-135M-Instruct.Q4_1-0123456789ab"  # built before entries recorded their GGUF
+    legacy.mkdir()
+    assert all(e.is_dir() for e in entries.values()) and len(set(entries.values())) == 2
+    ggufs["deleted"].unlink()  # a deleted clone's virtual environment
+    stat = ggufs["changed"].stat()
+    os.utime(ggufs["changed"], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a reinstalled package
+    ggufs["new"].parent.mkdir()
+    shutil.copy(default_model_path, ggufs["new"])
+    capsys.readouterr()
+
+    new_entry = registry.resolve_model(str(ggufs["new"])).tokenizer_dir.parent
+
+    assert sorted(p.name for p in cache.iterdir()) == sorted([new_entry.name, legacy.name])
+    err = capsys.readouterr().err
+    assert all(f"removed the model cache entry {e}" in err for e in entries.values())
+    assert json.loads((new_entry / registry.SOURCE_FILE).read_text())["path"] == str(ggufs["new"].resolve())
+    assert registry.gguf_cache_entry(ggufs["changed"]) != entries["changed"]  # a changed GGUF gets a new key
 
 
 def test_model_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
