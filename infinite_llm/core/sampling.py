@@ -44,6 +44,9 @@ class SamplingParams:
     # Structured output: the text must match this JSON schema (JSON text; '{"type": "object"}' for any
     # object). The engine compiles it to a token constraint (core/constraints.py) when the request arrives.
     json_schema: str | None = None
+    # ``max_tokens`` is a default, not the caller's (a chat request without max_tokens): the scheduler lowers
+    # it to what all of KV memory can hold beside the prompt rather than refuse the request as never fitting.
+    max_tokens_defaulted: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +90,9 @@ class SamplingParams:
                 f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {bad[0][0]!r}: {bad[0][1]!r}",
                 param="logit_bias",
             )
+        bad_stop = [t for t in self.stop_token_ids if not (isinstance(t, int) and t >= 0)]
+        if bad_stop:  # a negative id would index the logits from the end (min_tokens masks them)
+            raise InvalidRequest(f"stop_token_ids must be token ids >= 0, got {bad_stop[0]!r}", param="stop_token_ids")
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= max(self.max_tokens, 0)):
             raise InvalidRequest(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}", param="min_tokens"

@@ -19,7 +19,7 @@ import enum
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from infinite_llm.core.constraints import TokenConstraint
@@ -163,9 +163,13 @@ class Scheduler:
         if total == 0:
             raise Unavailable("no attention server is registered (yet): no KV memory to place the request in")
         need = -(-(prompt + seq.params.max_tokens) // bs)
-        if need > total:
-            # The prompt alone fits: name max_tokens (often a default the caller never set) and what would fit.
-            fits = total * bs - prompt
+        fits = total * bs - prompt
+        if need > total and seq.params.max_tokens_defaulted and fits >= max(seq.params.min_tokens, 1):
+            # A default the caller never set must not fail a request that fits: it ends at KV memory's end
+            # (finish_reason "length"), as a vLLM default ends at the context's end.
+            seq.params = replace(seq.params, max_tokens=fits)
+        elif need > total:
+            # Name max_tokens and what would fit (the prompt when it alone cannot).
             raise KVCapacityExceeded(
                 f"request needs {need} rBlocks of {bs} tokens ({prompt} prompt + {seq.params.max_tokens} max_tokens), "
                 f"the KV memory holds {total} in all: it can never fit"

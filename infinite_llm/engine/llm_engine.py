@@ -165,6 +165,11 @@ class LLMEngine:
             raise InvalidRequest(
                 f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {vocab})", param="logit_bias"
             )
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise InvalidRequest(
+                f"stop_token_ids token id {bad_stop[0]} is outside the vocabulary [0, {vocab})", param="stop_token_ids"
+            )
         limit = self.model_config.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
             raise ContextLengthExceeded(

@@ -35,6 +35,7 @@ def sampling_from_proto(p: gpb.SamplingParams) -> SamplingParams:
         "logit_bias": dict(p.logit_bias),
         "min_tokens": p.min_tokens,
         "json_schema": p.json_schema or None,
+        "max_tokens_defaulted": p.max_tokens_defaulted,
     }
     for name in _OPTIONAL:
         if p.HasField(name):
@@ -59,6 +60,7 @@ def sampling_to_proto(
     logit_bias: dict[int, float] | None = None,
     min_tokens: int = 0,
     json_schema: str | None = None,
+    max_tokens_defaulted: bool = False,
 ) -> gpb.SamplingParams:
     """The message of these parameters (the SDK's encoder; the servers validate the values).
 
@@ -75,6 +77,7 @@ def sampling_to_proto(
         "logit_bias": logit_bias or {},
         "min_tokens": min_tokens,
         "json_schema": json_schema or "",
+        "max_tokens_defaulted": max_tokens_defaulted,
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,

@@ -21,15 +21,21 @@ def max_text_chars(max_model_len: int) -> int:
     return max_model_len * MAX_CHARS_PER_TOKEN
 
 
+def check_text_length(num_chars: int, max_model_len: int, param: str) -> None:
+    """Raises ``InvalidRequest`` (naming ``param``) for a text of ``num_chars`` characters, or texts of that
+    many in all (a chat's messages), that cannot fit ``max_model_len`` tokens."""
+    if num_chars > max_text_chars(max_model_len):
+        raise InvalidRequest(
+            f"{param} has {num_chars} characters, more than any text of the model's maximum length "
+            f"({max_model_len} tokens) can have ({max_text_chars(max_model_len)})",
+            param=param,
+        )
+
+
 def check_prompt_size(prompt: str | list[int], max_model_len: int, param: str = "prompt") -> None:
     """Raises ``InvalidRequest`` (naming ``param``) for a prompt that cannot fit ``max_model_len`` tokens."""
     if isinstance(prompt, str):
-        if len(prompt) > max_text_chars(max_model_len):
-            raise InvalidRequest(
-                f"{param} has {len(prompt)} characters, more than any text of the model's maximum length "
-                f"({max_model_len} tokens) can have ({max_text_chars(max_model_len)})",
-                param=param,
-            )
+        check_text_length(len(prompt), max_model_len, param)
     elif len(prompt) > max_model_len:
         raise InvalidRequest(
             f"{param} has {len(prompt)} token ids; the model's maximum length is {max_model_len}", param=param

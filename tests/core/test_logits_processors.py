@@ -59,6 +59,7 @@ def test_rows_without_processors_are_not_copied_and_the_input_is_unchanged():
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"min_tokens": 17}, "min_tokens"),
         ({"min_tokens": -1}, "min_tokens"),
+        ({"stop_token_ids": (2, -3)}, "stop_token_ids"),
     ],
 )
 def test_out_of_range_processor_parameters_are_rejected_naming_the_field(kwargs, param):

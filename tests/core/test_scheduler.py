@@ -210,6 +210,28 @@ def test_a_request_larger_than_all_kv_memory_names_max_tokens_when_the_prompt_al
     assert not sched.running and len(sched.waiting) == 1 and kv.num_free_blocks == 4
 
 
+def test_a_defaulted_max_tokens_is_lowered_to_what_kv_memory_holds_instead_of_refused():
+    """A max_tokens the caller never set (the gateway's chat default) must not fail a request that fits:
+    it ends where all of KV memory ends; an explicit one still gets the clear refusal."""
+    sched, _ = _sched(num_blocks=4)  # 16 tokens in all
+    seq = Sequence("a", list(range(10)), SamplingParams(max_tokens=512, max_tokens_defaulted=True))
+    sched.add(seq)
+    assert seq.params.max_tokens == 6 and seq.params.max_tokens_defaulted and list(sched.waiting) == [seq]
+    small = Sequence("b", list(range(10)), SamplingParams(max_tokens=3, max_tokens_defaulted=True))
+    sched.add(small)
+    assert small.params.max_tokens == 3  # a default that fits is kept
+    for params in (
+        SamplingParams(max_tokens=512, min_tokens=7, max_tokens_defaulted=True),  # min_tokens cannot fit
+        SamplingParams(max_tokens=512, max_tokens_defaulted=False),
+    ):
+        with pytest.raises(KVCapacityExceeded) as e:
+            sched.add(Sequence("c", list(range(10)), params))
+        assert e.value.param == "max_tokens" and str(e.value).endswith("max_tokens <= 6 would")
+    with pytest.raises(KVCapacityExceeded) as e:  # the prompt alone fills KV memory: nothing to lower
+        sched.add(Sequence("d", list(range(16)), SamplingParams(max_tokens=512, max_tokens_defaulted=True)))
+    assert e.value.param == "prompt"
+
+
 def test_a_request_while_no_kv_memory_is_registered_is_unavailable_not_too_large():
     """A cluster with no attention server registered (starting, or a new manager waiting for its members
     to register again) has 0 rBlocks: that is a retryable outage, not a request that can never fit."""

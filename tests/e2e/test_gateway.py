@@ -261,6 +261,35 @@ def test_request_larger_than_the_cluster_kv_memory_is_a_non_retryable_400(http, 
     assert wait_until(lambda: all_blocks_free(mesh))
 
 
+def test_a_chat_without_max_tokens_is_served_to_the_end_of_kv_memory_not_refused(http, tokenizer, mesh):
+    """The chat default (min(512, room in the context)) is not the user's: a chat that fits the cluster's
+    KV memory is served, ending where KV memory ends (``length``); an explicit max_tokens that cannot fit is
+    still the clear 400 naming it."""
+    kv_tokens = 3 * BLOCKS_PER_SERVER * BLOCK_SIZE  # 384: far below the default 512 new tokens
+    messages = [{"role": "user", "content": TEXT[:1000]}]
+    prompt_tokens = len(tokenizer.encode_chat(messages))
+    assert 200 < prompt_tokens < kv_tokens - 16
+    body = {"messages": messages, "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": kv_tokens - prompt_tokens,
+        "total_tokens": kv_tokens,
+    }
+    r = http.post("/v1/chat/completions", json={**body, "max_completion_tokens": 512})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "context_length_exceeded",
+        "max_tokens",
+    )
+    assert error["message"].endswith(f"max_tokens <= {kv_tokens - prompt_tokens} would")
+    assert wait_until(lambda: all_blocks_free(mesh))
+
+
 def test_router_errors_reach_the_gateway_as_their_exact_class_and_param(sdk, tokenizer):
     """What the gateway receives through the SDK: the class (so the HTTP status and OpenAI type/code) and the
     param the mesh raised, read from the status's reason, not from its message."""

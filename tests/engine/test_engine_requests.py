@@ -75,6 +75,7 @@ def test_abort_mid_stream_returns_every_block(engine):
         ([], {}, InvalidRequest, "prompt is empty"),
         ([1, 2, 49152], {}, InvalidRequest, "outside the vocabulary"),
         ([-1], {}, InvalidRequest, "outside the vocabulary"),
+        ("hi", {"stop_token_ids": [2, 49152]}, InvalidRequest, r"stop_token_ids token id 49152 is outside the vocab"),
         ("hi", {"max_tokens": 8192}, ContextLengthExceeded, "maximum length of 8192"),
         ("hi", {"max_tokens": 2000}, CapacityExhausted, "rBlocks"),
     ],

@@ -20,6 +20,15 @@ def test_sampling_params_round_trip_unset_optionals_take_the_core_defaults():
     assert not msg.HasField("top_p") and sampling_from_proto(msg).top_p == SamplingParams().top_p
 
 
+def test_a_defaulted_max_tokens_crosses_the_wire_as_such_and_bad_stop_token_ids_are_refused():
+    msg = sampling_to_proto(512, seed=1, max_tokens_defaulted=True)
+    assert sampling_from_proto(msg) == SamplingParams(max_tokens=512, seed=1, max_tokens_defaulted=True)
+    assert sampling_from_proto(sampling_to_proto(16, seed=1)).max_tokens_defaulted is False
+    with pytest.raises(InvalidRequest) as e:  # what the router does with each request it is sent
+        sampling_from_proto(sampling_to_proto(4, stop_token_ids=[2, -3]))
+    assert e.value.param == "stop_token_ids" and str(e.value) == "stop_token_ids must be token ids >= 0, got -3"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [({"max_tokens": 10**12}, "max_tokens"), ({"top_k": "x"}, "top_k"), ({"seed": 2**80}, "seed")],

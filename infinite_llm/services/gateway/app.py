@@ -29,6 +29,7 @@ from infinite_llm.services.gateway.errors import (
     error_body,
     install_error_handlers,
 )
+from infinite_llm.services.gateway.params import MAX_CHOICES_PER_REQUEST
 from infinite_llm.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,10 +97,12 @@ async def generate(
     backend: RouterBackend,
     body: CompletionRequest | ChatCompletionRequest,
     special_tokens_in_messages: bool = False,
+    max_choices: int = MAX_CHOICES_PER_REQUEST,
 ):  # noqa: ANN201
     """Shared body of both generation endpoints."""
     chat = isinstance(body, ChatCompletionRequest)
-    plan = await handlers.plan(backend, body, "chatcmpl" if chat else "cmpl", special_tokens_in_messages)
+    prefix = "chatcmpl" if chat else "cmpl"
+    plan = await handlers.plan(backend, body, prefix, special_tokens_in_messages, max_choices)
     if not body.stream:
         outs = await until_disconnect(request, handlers.run_to_end(backend, plan))
         respond = handlers.chat_response if chat else handlers.completion_response
@@ -147,11 +150,17 @@ def install_metrics(app: FastAPI) -> None:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(backend: RouterBackend, api_key: str | None = None, special_tokens_in_messages: bool = False) -> FastAPI:
+def create_app(
+    backend: RouterBackend,
+    api_key: str | None = None,
+    special_tokens_in_messages: bool = False,
+    max_choices_per_request: int = MAX_CHOICES_PER_REQUEST,
+) -> FastAPI:
     """The gateway over ``backend``; ``api_key`` (None: no check) guards every ``/v1`` route.
 
     ``special_tokens_in_messages``: chat message content that spells a special token (``<|im_end|>``)
-    becomes that control token, as before; off by default, when content is always plain text."""
+    becomes that control token, as before; off by default, when content is always plain text.
+    ``max_choices_per_request``: the most choices (prompts x ``n``) one request may ask for (else 400)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -166,11 +175,11 @@ def create_app(backend: RouterBackend, api_key: str | None = None, special_token
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):  # noqa: ANN202
-        return await generate(request, backend, body)
+        return await generate(request, backend, body, max_choices=max_choices_per_request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):  # noqa: ANN202
-        return await generate(request, backend, body, special_tokens_in_messages)
+        return await generate(request, backend, body, special_tokens_in_messages, max_choices_per_request)
 
     def card(c: ServedModel) -> ModelCard:
         return ModelCard(id=c.id, created=started, owned_by=c.owned_by, max_model_len=c.max_model_len)

@@ -8,6 +8,8 @@ cancelled in the mesh when the client goes away (``app`` watches for the disconn
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,21 +36,57 @@ from infinite_llm.services.gateway.protocol import (
     Delta,
     Usage,
 )
+from infinite_llm.services.prompt_limits import check_text_length, encode_off_loop
 
 Events = AsyncIterator[tuple[int, CompletionChunk]]  # (choice index, chunk)
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------
-def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:  # noqa: ANN001
-    """Token ids of each prompt; text is tokenized as the engine would (its special tokens added)."""
+# Tokenizing and chat-template rendering run on a worker thread, after a size cap checked first (the router's,
+# ``prompt_limits``): a prompt of megabytes is a 400 at once, and one long but allowed prompt stalls nobody.
+def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: one text or token-id list, or a list of them."""
     raw = req.prompt
-    items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    return [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+
+
+async def completion_prompts(req: CompletionRequest, tokenizer, max_model_len: int) -> list[list[int]]:  # noqa: ANN001
+    """Token ids of each prompt; text is tokenized as the engine would (its special tokens added), off the
+    event loop. Raises ``InvalidRequest`` for an empty prompt or a text too long for ``max_model_len``
+    tokens, before any tokenizing."""
+    items = prompt_items(req)
     if not items:
         raise InvalidRequest("prompt is empty", param="prompt")
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+    for i, p in enumerate(items):
+        if isinstance(p, str):  # token ids too many for the context are context_length_exceeded, below
+            check_text_length(len(p), max_model_len, "prompt" if len(items) == 1 else f"prompt.{i}")
+    prompts = [await encode_off_loop(tokenizer, p) if isinstance(p, str) else list(p) for p in items]
     if any(not p for p in prompts):
         raise InvalidRequest("prompt is empty", param="prompt")
     return prompts
+
+
+def check_choices(req: CompletionRequest | ChatCompletionRequest, max_choices: int) -> None:
+    """400 when the request asks for more than ``max_choices`` choices (prompts x ``n``): each is a request
+    in the mesh, so one HTTP call must not fan out without bound."""
+    n = req.n or 1
+    num_prompts = len(prompt_items(req)) if isinstance(req, CompletionRequest) else 1
+    if num_prompts * n > max_choices:
+        raise InvalidRequest(
+            f"this request asks for {num_prompts * n} choices ({num_prompts} prompts x n={n}); this server "
+            f"allows at most {max_choices} per request",
+            param="prompt" if num_prompts > 1 else "n",
+        )
+
+
+def chat_text_chars(messages: list[ChatMessage]) -> int:
+    """Characters of every message's content and tool calls: what the chat template renders."""
+    total = 0
+    for m in messages:
+        content = m.content or ""
+        total += len(content) if isinstance(content, str) else sum(len(part.text or "") for part in content)
+        total += len(json.dumps(m.tool_calls)) if m.tool_calls else 0
+    return total
 
 
 def chat_prompt(
@@ -87,19 +125,25 @@ async def plan(
     req: CompletionRequest | ChatCompletionRequest,
     prefix: str,
     special_tokens_in_content: bool = False,
+    max_choices: int = params.MAX_CHOICES_PER_REQUEST,
 ) -> params.Plan:
-    """Validate ``req`` at the gateway (text, model, unsupported fields, context length) and build its ``Plan``.
+    """Validate ``req`` at the gateway (text, model, unsupported fields, choices, prompt size, context length)
+    and build its ``Plan``.
 
-    ``special_tokens_in_content``: chat message content may spell control tokens (trusted callers only)."""
+    ``special_tokens_in_content``: chat message content may spell control tokens (trusted callers only).
+    ``max_choices``: the most choices (prompts x ``n``) one request may ask for."""
     params.reject_invalid_text(req)
     params.reject_unsupported(req)
+    check_choices(req, max_choices)
     card = await backend.model(req.model)
     chat = isinstance(req, ChatCompletionRequest)
     tool_plan = tools.tool_plan(req.tools, req.tool_choice, backend.tokenizer) if chat else None
     if chat:
-        prompts = [chat_prompt(req.messages, backend.tokenizer, special_tokens_in_content, tool_plan)]
+        check_text_length(chat_text_chars(req.messages), card.max_model_len, param="messages")
+        render = (req.messages, backend.tokenizer, special_tokens_in_content, tool_plan)
+        prompts = [await asyncio.to_thread(chat_prompt, *render)]
     else:
-        prompts = completion_prompts(req, backend.tokenizer)
+        prompts = await completion_prompts(req, backend.tokenizer, card.max_model_len)
     max_tokens = min(params.max_tokens(req, len(p), card.max_model_len, chat) for p in prompts)
     echo = not chat and bool(req.echo)
     sampling = params.sampling_kwargs(req, max_tokens)
@@ -121,11 +165,9 @@ async def plan(
 
 def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:  # noqa: ANN001
     """Each prompt's text as echoed: as sent, or its token ids decoded (special tokens kept)."""
-    raw = req.prompt
-    items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     return [
         t if isinstance(t, str) else tokenizer.decode(ids, skip_special_tokens=False)
-        for t, ids in zip(items, prompts, strict=True)
+        for t, ids in zip(prompt_items(req), prompts, strict=True)
     ]
 
 

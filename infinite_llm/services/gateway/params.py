@@ -20,6 +20,9 @@ from infinite_llm.services.gateway.tools import ToolPlan
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 512
+# The most choices (prompts x n) one request may ask for, each a request in the mesh: as many as OpenAI's
+# cap on n alone, so that a list of prompts cannot fan one HTTP call out without bound (GatewayConfig sets it).
+MAX_CHOICES_PER_REQUEST = 128
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,8 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int) -> dict:
         "logit_bias": logit_bias(req),
         "min_tokens": req.min_tokens,
         "json_schema": json_schema(req.response_format),
+        # unset by the client: the mesh may lower it to what its KV memory holds beside the prompt
+        "max_tokens_defaulted": req.max_tokens is None and req.max_completion_tokens is None,
         **logprob_kwargs(req, max_tokens),
     }
 
@@ -219,7 +224,8 @@ def max_tokens(req: SamplingFields, prompt_len: int, max_model_len: int, chat: b
 
     Raises ``ContextLengthExceeded`` (400 ``context_length_exceeded``) when prompt + completion cannot fit.
     """
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = getattr(req, field_name)
     room = max_model_len - prompt_len
     if requested is None:
         requested = min(CHAT_DEFAULT_MAX_TOKENS, room) if chat else COMPLETION_DEFAULT_MAX_TOKENS
@@ -229,7 +235,7 @@ def max_tokens(req: SamplingFields, prompt_len: int, max_model_len: int, chat: b
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + max(requested, 0)} tokens ({prompt_len} in the {where}, {max(requested, 0)} in the "
             f"completion). Please reduce the length of the {where} or completion.",
-            param=where if room <= 0 else "max_tokens",
+            param=where if room <= 0 else field_name,  # the field the client sent
         )
     return requested
 

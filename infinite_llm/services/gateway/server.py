@@ -15,6 +15,7 @@ from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
+from infinite_llm.services.gateway.params import MAX_CHOICES_PER_REQUEST
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "INFINITE_LLM_API_KEY"
@@ -28,7 +29,8 @@ class GatewayConfig:
     None (or "") serves without one. ``model``: where the tokenizer and chat template come from; the model
     the mesh serves (None: the default model). ``special_tokens_in_messages``: parse special-token text in
     chat message content as control tokens (only for trusted callers: a user could forge a turn); off by
-    default, when content is plain text as OpenAI treats it.
+    default, when content is plain text as OpenAI treats it. ``max_choices_per_request``: the most choices
+    (prompts x ``n``) one request may ask for, each a request in the mesh; more is a 400.
     """
 
     router: str = "127.0.0.1:50051"
@@ -40,6 +42,7 @@ class GatewayConfig:
     ssl_certfile: str | None = None  # serve HTTPS with this certificate and key (PEM); None: HTTP
     ssl_keyfile: str | None = None
     shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, open streams get this long (seconds)
+    max_choices_per_request: int = MAX_CHOICES_PER_REQUEST
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -49,6 +52,8 @@ class GatewayConfig:
             raise ValueError(f"--router must be HOST:PORT, got {self.router!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_choices_per_request < 1:
+            raise ValueError(f"--max-choices-per-request must be >= 1, got {self.max_choices_per_request}")
         if self.api_key == "":
             object.__setattr__(self, "api_key", None)
 
@@ -63,6 +68,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         RouterBackend(config.router, tokenizer),
         api_key=config.api_key,
         special_tokens_in_messages=config.special_tokens_in_messages,
+        max_choices_per_request=config.max_choices_per_request,
     )
 
 
