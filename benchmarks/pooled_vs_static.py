@@ -94,11 +94,12 @@ class Figures:
 
 def long_tail_trace(tokens: list[int], n_short: int, n_long: int, home_tokens: int) -> list[Request]:
     """``n_short`` requests of 32-64 prompt tokens and 16-32 new, then ``n_long`` whose context spans from
-    1.3 to 1.9 home servers (so at most 0.96 of the 2-server pool), interleaved one long per 8 short."""
+    1.3 to 1.95 home servers (the longest 0.975 of the 2-server pool: the issue asks pooled to serve >= 0.95
+    of it), interleaved one long per 8 short."""
     short = [Request(tokens[i * 7 : i * 7 + 32 + (i * 13) % 33], 16 + (i * 5) % 17) for i in range(n_short)]
     longs = []
     for j in range(n_long):
-        context = int(home_tokens * (1.3 + 0.6 * j / max(n_long - 1, 1)))
+        context = int(home_tokens * (1.3 + 0.65 * j / max(n_long - 1, 1)))
         longs.append(Request(tokens[j * 11 : j * 11 + context - 16], 16))
     trace = list(short)
     for j, r in enumerate(longs):
@@ -312,6 +313,11 @@ def main() -> None:
     if "static" not in figures or "pooled" not in figures:
         return
     static, pooled = figures["static"], figures["pooled"]
+    pool_share, home_share = pooled.longest_context / (2 * home_tokens), static.longest_context / home_tokens
+    print(
+        f"longest context served: pooled {pooled.longest_context} tokens, {pool_share:.3f} of the pool; "
+        f"static {static.longest_context}, {home_share:.3f} of one home"
+    )
     print(
         f"pooled/static throughput {pooled.tokens_per_s / max(static.tokens_per_s, 1e-9):.2f}x, "
         f"longest context {pooled.longest_context / max(static.longest_context, 1):.2f}x"

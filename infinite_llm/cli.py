@@ -20,6 +20,7 @@ from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound
 
 if TYPE_CHECKING:
+    from infinite_llm.models.registry import ResolvedModel
     from infinite_llm.rpc.tls import TlsConfig
 
 app = typer.Typer(
@@ -44,8 +45,33 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return path.read_text(encoding="utf-8")
 
 
+# Flags that configure only the single-process engine: with --router the mesh's services have their own.
+ENGINE_ONLY_FLAGS = ("dtype", "block_size", "kv_blocks", "num_partitions", "device", "enforce_eager", "prefix_caching")
+
+
+def _refuse_engine_flags(ctx: typer.Context) -> None:
+    """With --router, an engine flag given on the command line (or in its environment variable) would be
+    silently ignored: refuse it (usage error, exit 2). A config file's value for it is not refused (one file
+    may serve both modes)."""
+    given = [
+        "/".join(p.opts + p.secondary_opts)
+        for p in ctx.command.params
+        if p.name in ENGINE_ONLY_FLAGS and ctx.get_parameter_source(p.name).name in ("COMMANDLINE", "ENVIRONMENT")
+    ]  # by name: typer vendors its own click, whose ParameterSource is not click's
+    if given:
+        verb = (
+            "configure the in-process engine and do" if len(given) > 1 else "configures the in-process engine and does"
+        )
+        raise typer.BadParameter(
+            f"{verb} not apply with --router (the mesh's services take their own flags: infinite-llm up --help)",
+            ctx,
+            param_hint=", ".join(given),
+        )
+
+
 @app.command()
 def generate(
+    ctx: typer.Context,
     prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from a file ('-' for stdin).")] = None,
     chat: Annotated[bool, typer.Option(help="Apply the model's chat template (prompt = one user message).")] = False,
@@ -56,7 +82,11 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     model: Annotated[
-        str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")
+        str | None,
+        typer.Option(
+            help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct). With --router: its tokenizer "
+            "templates --chat, and the router must serve a model of that name."
+        ),
     ] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
     block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = DEFAULT_BLOCK_SIZE,
@@ -87,10 +117,13 @@ def generate(
     if not text:
         raise InvalidRequest("prompt is empty")  # before loading the model
     if router is not None:
+        _refuse_engine_flags(ctx)
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()))
         SamplingParams(max_tokens=max_tokens, **sampling)  # same validation and messages as locally
+        resolved = _resolve_model(model) if model is not None or chat else None  # NotFound before dialling
         tls = load_cli_tls("client", tls_dir, insecure)
-        _generate_via_router(router, text, chat, model, max_tokens, sampling, tls, api_key)
+        served = resolved.name if model is not None else None
+        _generate_via_router(router, text, chat, resolved, served, max_tokens, sampling, tls, api_key)
         return
     from infinite_llm.cli_mesh import device_option, torch_dtype
 
@@ -127,29 +160,37 @@ def generate(
     logging.getLogger("infinite_llm").info("%d tokens in %.2f s (%.1f tokens/s)", n, elapsed, n / max(elapsed, 1e-9))
 
 
+def _resolve_model(model: str | None) -> ResolvedModel:
+    from infinite_llm.models.registry import resolve_model
+
+    return resolve_model(model)
+
+
 def _generate_via_router(
     router: str,
     text: str,
     chat: bool,
-    model: str | None,
+    resolved: ResolvedModel | None,
+    served: str | None,
     max_tokens: int,
     sampling: dict,
     tls: TlsConfig | None,
     api_key: str | None = None,
 ) -> None:
-    """Stream through the router; a chat prompt is templated and tokenized here, as the local path does."""
+    """Stream through the router; a chat prompt is templated and tokenized here with ``resolved``'s tokenizer,
+    as the local path does. ``served``: the model name the router must serve (None: whichever it serves)."""
     from infinite_llm.client import Client
 
     prompt: str | list[int] = text
     if chat:
-        from infinite_llm.models.registry import load_tokenizer, resolve_model
+        from infinite_llm.models.registry import load_tokenizer
 
-        tokenizer = load_tokenizer(resolve_model(model))
+        tokenizer = load_tokenizer(resolved)
         templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         prompt = tokenizer.encode(templated, add_special_tokens=False)
     start, last = time.perf_counter(), None
     with Client(router, tls=tls, api_key=api_key) as client:
-        for chunk in client.stream(prompt, max_tokens=max_tokens, **sampling):
+        for chunk in client.stream(prompt, max_tokens=max_tokens, model=served, **sampling):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             last = chunk

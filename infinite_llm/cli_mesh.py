@@ -441,6 +441,12 @@ def serve_gateway(
         str | None, typer.Option(help="The key of --ssl-certfile (PEM).", rich_help_panel="Security")
     ] = None,
     shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
+    max_choices_per_request: Annotated[
+        int,
+        typer.Option(
+            help="The most choices (prompts x n) one request may ask for, each a request in the mesh; more is a 400.",
+        ),
+    ] = 128,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
 ) -> None:
@@ -458,6 +464,7 @@ def serve_gateway(
             ssl_certfile=ssl_certfile,
             ssl_keyfile=ssl_keyfile,
             shutdown_grace_s=shutdown_grace,
+            max_choices_per_request=max_choices_per_request,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -503,11 +510,16 @@ def up(
         insecure=insecure,
         prefix_caching=prefix_caching,
     )
+    _refuse_busy_ports(config)  # before anything starts (a busy port would fail only at the gateway, ~20 s in)
     if insecure:
         load_cli_tls("client", None, insecure=True)  # says loudly that the mesh is plaintext
     mesh = LocalMesh(config)
-    with err.status("starting the mesh (etcd, manager, servers, compute, router, gateway)...", spinner="dots"):
-        mesh.start()
+    try:
+        with err.status("starting the mesh (etcd, manager, servers, compute, router, gateway)...", spinner="dots"):
+            mesh.start()
+    except BaseException:
+        _say_where_logs_are(mesh)
+        raise
     previous = {}  # the handlers before ours, put back when the mesh stops (`up` may run inside a process)
     try:
         _print_mesh(mesh)
@@ -531,8 +543,35 @@ def up(
     finally:
         err.print("stopping the mesh...")
         mesh.stop()
+        _say_where_logs_are(mesh)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _refuse_busy_ports(config) -> None:  # noqa: ANN001
+    """Exit 2 naming the flag when a fixed port of ``up`` is taken (by another process or another flag)."""
+    from infinite_llm.mesh import HOST, port_in_use
+
+    flags = {"--port": config.router_port, "--manager-port": config.manager_port, "--gateway-port": config.gateway_port}
+    seen: dict[int, str] = {}
+    for flag, port in flags.items():
+        if port == 0:  # any free one
+            continue
+        if port in seen:
+            raise typer.BadParameter(f"port {port} is also given to {seen[port]}; give each its own", param_hint=flag)
+        seen[port] = flag
+        if port_in_use(port):
+            raise typer.BadParameter(
+                f"port {port} is in use on {HOST} (another process listens there, perhaps an earlier mesh): "
+                f"stop it or choose another port with {flag}",
+                param_hint=flag,
+            )
+
+
+def _say_where_logs_are(mesh) -> None:  # noqa: ANN001
+    """A mesh that failed keeps its logs (without certificates, keys or etcd's data): say where."""
+    if mesh.keep_logs and mesh.log_dir.exists():
+        err.print(f"the services' logs are kept in {mesh.log_dir} (its certificates, keys and etcd data removed)")
 
 
 def _print_mesh(mesh) -> None:  # noqa: ANN001

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 if TYPE_CHECKING:  # every `infinite-llm` call loads this module: gRPC only when a command runs
+    from infinite_llm.rpc.certs import TlsDirExists
     from infinite_llm.rpc.tls import TlsConfig
 
 TLS_DIR_ENV = "INFINITE_LLM_TLS_DIR"  # = infinite_llm.rpc.tls.TLS_DIR_ENV
@@ -91,6 +92,24 @@ def load_cli_tls(role: str, tls_dir: str | None, insecure: bool) -> TlsConfig | 
 
 
 tls_app = typer.Typer(no_args_is_help=True, help="Certificates for mTLS between the services of a mesh.")
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace the CA and keys already in the directory (every service using them must then get the "
+        "new files: its connections to the others fail until then).",
+    ),
+]
+
+
+def _refuse_existing(e: TlsDirExists) -> typer.Exit:
+    """Exit 2 naming the files a new CA would have replaced: servers reload changed files, so writing over
+    a live cluster's directory breaks every connection."""
+    err.print(
+        f"[red]error:[/red] {e.directory} already holds a CA or keys ({', '.join(e.files)}); not replacing "
+        "them (servers using them would reject each other): give --force to write a new CA anyway"
+    )
+    return typer.Exit(2)
 
 
 @tls_app.command("init")
@@ -101,13 +120,18 @@ def tls_init(
         typer.Option(help="Another DNS name or IP of the services (e.g. manager.infinite-llm.svc); repeatable."),
     ] = None,
     days: Annotated[int, typer.Option(help="Validity in days.")] = 365,
+    force: Force = False,
 ) -> None:
-    """Create a cluster CA and one certificate per role (manager, attention, compute, router, gateway, client)."""
-    from infinite_llm.rpc.certs import write_tls_dir
+    """Create a cluster CA and one certificate per role (manager, attention, compute, router, gateway, client).
+    Refuses (exit 2) a directory that already holds a CA or keys, unless --force."""
+    from infinite_llm.rpc.certs import TlsDirExists, write_tls_dir
 
     if days < 1:
         raise typer.BadParameter(f"days must be >= 1, got {days}", param_hint="--days")
-    out = write_tls_dir(directory, hosts=tuple(host or ()), days=days)
+    try:
+        out = write_tls_dir(directory, hosts=tuple(host or ()), days=days, force=force)
+    except TlsDirExists as e:
+        raise _refuse_existing(e) from None
     err.print(f"wrote a cluster CA and per-role certificates to {out}; clients use --tls-dir {out}")
 
 
@@ -119,14 +143,19 @@ def tls_etcd_init(
         typer.Option(help="A DNS name or IP the manager and etcd's peers dial etcd by (etcd.example); repeatable."),
     ] = None,
     days: Annotated[int, typer.Option(help="Validity in days.")] = 365,
+    force: Force = False,
 ) -> None:
     """Create an etcd CA (separate from the cluster's), etcd's certificate and the manager's etcd client
-    certificate: etcd trusts only this CA, so it admits the manager and no other role."""
-    from infinite_llm.rpc.certs import write_etcd_tls_dir
+    certificate: etcd trusts only this CA, so it admits the manager and no other role. Refuses (exit 2) a
+    directory that already holds them, unless --force."""
+    from infinite_llm.rpc.certs import TlsDirExists, write_etcd_tls_dir
 
     if days < 1:
         raise typer.BadParameter(f"days must be >= 1, got {days}", param_hint="--days")
-    out = write_etcd_tls_dir(directory, hosts=tuple(host or ()), days=days)
+    try:
+        out = write_etcd_tls_dir(directory, hosts=tuple(host or ()), days=days, force=force)
+    except TlsDirExists as e:
+        raise _refuse_existing(e) from None
     err.print(
         f"wrote an etcd CA, etcd's and the manager's etcd certificates to {out}: run etcd with "
         f"--trusted-ca-file {out}/ca.pem --cert-file {out}/etcd.pem --key-file {out}/etcd-key.pem "

@@ -7,7 +7,9 @@ one answers the standard gRPC health check with SERVING (the gateway: HTTP ``GET
 every attention server and compute instance is registered with the manager. The router discovers the
 compute instances from the manager (``serve router --manager``), so instances started later with
 :meth:`LocalMesh.spawn_compute` take requests too. Homes: attention server ``attn-i`` is the home of compute
-instance ``compute-(i mod M)``. ``stop`` sends SIGTERM (graceful drain), then SIGKILL after a grace period.
+instance ``compute-(i mod M)``. ``stop`` sends SIGTERM (graceful drain), then SIGKILL after a grace period;
+it removes the run directory ``log_dir``, or, when something failed (``keep_logs``), keeps only the logs in
+it. On Linux every service and etcd also get SIGTERM when the launching process dies (``parent_death``).
 
 mTLS is on unless ``insecure``: ``start`` writes a cluster CA and one certificate per role into
 ``<log_dir>/tls`` (or uses ``tls_dir``, default ``$INFINITE_LLM_TLS_DIR``, holding every role's files) and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
+from infinite_llm.parent_death import die_with_parent
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.tls import TLS_DIR_ENV, TlsConfig, load_tls_dir
 from infinite_llm.state.etcd_launcher import EtcdProcess, EtcdTls, free_port, start_etcd
@@ -251,10 +255,7 @@ class LocalMesh:
         Kubernetes Deployment restarts a crashed pod. Returns ``proc``, now alive."""
         if proc.alive():
             raise ValueError(f"{proc.name} is still running")
-        with open(proc.log_path, "ab") as out:
-            proc.popen = subprocess.Popen(
-                proc.popen.args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(proc.role)
-            )
+        proc.popen = _popen(proc.popen.args, proc.log_path, proc.role, append=True)
         return proc
 
     def restart_crashed(self, max_restarts: int = 5) -> list[Proc]:
@@ -288,11 +289,7 @@ class LocalMesh:
             metrics_port = free_port()
             cmd += ["--metrics-port", str(metrics_port)]
             metrics_address = f"{HOST}:{metrics_port}"
-        with open(log_path, "wb") as out:
-            popen = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(role)
-            )
-        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address)
+        proc = Proc(role, name, f"{HOST}:{port}", _popen(cmd, log_path, role), log_path, metrics_address)
         self.procs.append(proc)
         return proc
 
@@ -322,10 +319,7 @@ class LocalMesh:
         port, metrics_port = free_port(), free_port()
         args[args.index("--port") + 1] = str(port)
         args[args.index("--metrics-port") + 1] = str(metrics_port)
-        with open(proc.log_path, "ab") as out:
-            proc.popen = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(proc.role)
-            )
+        proc.popen = _popen(args, proc.log_path, proc.role, append=True)
         proc.address, proc.metrics_address = f"{HOST}:{port}", f"{HOST}:{metrics_port}"
         log.warning("%s: its port was taken before it bound; started again on %s", proc.name, proc.address)
         return True
@@ -373,12 +367,36 @@ class LocalMesh:
             self.etcd = None
         if not self.keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        else:
+            self._drop_secrets_and_data()
+
+    def _drop_secrets_and_data(self) -> None:
+        """What a kept run directory must not hold: the CAs and keys this mesh made (anyone who reads them
+        could pose as any service of a later mesh using them, or sign more) and etcd's data (~60 MB, mostly
+        its preallocated log). The services' logs and etcd's log stay."""
+        made = [self.log_dir / "tls", self.log_dir / "etcd-tls", self.log_dir / "etcd" / "etcd"]
+        for directory in made:  # a --tls-dir of the user's is elsewhere: the run directory is new
+            shutil.rmtree(directory, ignore_errors=True)
 
     def __enter__(self) -> LocalMesh:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _popen(cmd: list[str], log_path: Path, role: str, append: bool = False) -> subprocess.Popen:
+    """Start a service with its output in ``log_path``; on Linux it gets SIGTERM if this process dies
+    (killed outright, it cannot stop the mesh: see ``parent_death``)."""
+    with open(log_path, "ab" if append else "wb") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_env(role),
+            preexec_fn=die_with_parent(),  # only prctl and getppid run between fork and exec
+        )
 
 
 def _env(role: str) -> dict[str, str]:
@@ -412,6 +430,18 @@ def http_health_check(address: str, timeout_s: float = 1.0) -> bool:
             return reply.status == 200
     except (OSError, ValueError):  # refused, reset, timed out, HTTP 503 (HTTPError is an OSError)
         return False
+
+
+def port_in_use(port: int, host: str = HOST) -> bool:
+    """Whether a process listens on ``host:port`` already (a bind as the services do fails). SO_REUSEADDR:
+    a port left in TIME_WAIT by an earlier mesh is free, as it is for the services."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -92,3 +92,71 @@ def test_dialing_a_router_needs_tls_or_an_explicit_insecure(tmp_path, monkeypatc
     proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--tls-dir", str(tmp_path))
     assert proc.returncode == 2, proc.stderr
     assert "cannot read ca.pem" in " ".join(proc.stderr.replace("│", " ").split())
+
+
+@pytest.mark.parametrize(
+    "args,given",
+    [
+        (["--block-size", "0"], "--block-size: configures the in-process engine and does not apply with --router"),
+        (["--kv-blocks", "1"], "--kv-blocks: configures the in-process engine and does not apply with --router"),
+        (
+            ["--device", "cpu", "--no-prefix-caching"],
+            "--device, --prefix-caching/--no-prefix-caching: configure the in-process engine and do not apply",
+        ),
+    ],
+)
+def test_engine_flags_with_router_exit_2_before_dialling(args, given, monkeypatch):
+    """They would be ignored by the mesh: a usage error, before TLS is even looked at (no --tls-dir here)."""
+    monkeypatch.delenv("INFINITE_LLM_TLS_DIR", raising=False)
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", *args)
+    assert proc.returncode == 2, proc.stderr
+    flat = " ".join(proc.stderr.replace("│", " ").split())
+    assert f"Invalid value for {given}" in flat, proc.stderr
+    assert "mTLS" not in flat and proc.stdout == ""
+
+
+def test_an_engine_flag_from_its_environment_variable_is_refused_with_router(monkeypatch):
+    monkeypatch.setenv("INFINITE_LLM_GENERATE_KV_BLOCKS", "1")
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--insecure")
+    assert proc.returncode == 2, proc.stderr
+    assert "Invalid value for --kv-blocks" in " ".join(proc.stderr.replace("│", " ").split())
+
+
+def test_a_missing_model_with_router_exits_2_before_dialling():
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--insecure", "--model", "/nonexistent")
+    assert proc.returncode == 2, proc.stderr
+    assert "model '/nonexistent' not found: the path does not exist" in proc.stderr
+    assert "failed to connect" not in proc.stderr
+
+
+def test_model_with_router_names_the_model_the_router_must_serve(default_model_path, monkeypatch):
+    """--model with --router is honoured: its name goes in the request, so a router serving another model
+    refuses it (ModelNotFound) instead of silently answering with its own."""
+    from typer.testing import CliRunner
+
+    import infinite_llm.client
+    from infinite_llm.cli import app
+
+    asked = {}
+
+    class FakeClient:
+        def __init__(self, target, **kwargs):
+            asked["target"] = target
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def stream(self, prompt, **kwargs):
+            asked.update(prompt=prompt, model=kwargs["model"])
+            return iter(())
+
+    monkeypatch.setattr(infinite_llm.client, "Client", FakeClient)
+    argv = ["generate", "--prompt", "hi", "--router", "r:1", "--insecure", "--model", str(default_model_path)]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert asked == {"target": "r:1", "prompt": "hi", "model": default_model_path.stem}
+    assert CliRunner().invoke(app, argv[:-2]).exit_code == 0
+    assert asked["model"] is None  # no --model: whichever model the router serves

@@ -4,6 +4,7 @@ process, as a user runs it)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ CLI = [sys.executable, "-m", "infinite_llm.cli"]
         (["attention", "--node-name", "node 1"], "node-name may only hold the characters"),
         (["router"], "router needs --manager HOST:PORT (discovery) or --compute HOST:PORT"),
         (["router", "--manager", "127.0.0.1:1", "--discovery-interval", "0"], "discovery interval must be > 0 s"),
+        (["gateway", "--max-choices-per-request", "0"], "--max-choices-per-request must be >= 1, got 0"),
     ],
 )
 def test_bad_cluster_view_flags_exit_2_naming_the_problem(args, message):
@@ -58,6 +60,16 @@ def test_bad_etcd_tls_flags_of_the_manager_exit_2_before_dialling(args, message)
     assert message in flat, proc.stderr
 
 
+def test_the_gateways_choice_cap_defaults_to_the_gateways_own():
+    from infinite_llm.cli_mesh import serve_gateway
+    from infinite_llm.services.gateway.params import MAX_CHOICES_PER_REQUEST
+
+    default = next(
+        p.default for p in inspect.signature(serve_gateway).parameters.values() if p.name == "max_choices_per_request"
+    )
+    assert default == MAX_CHOICES_PER_REQUEST
+
+
 def test_tables_are_not_cut_to_80_columns_when_stdout_is_not_a_terminal(monkeypatch):
     from rich.table import Table
 
@@ -73,3 +85,45 @@ def test_tables_are_not_cut_to_80_columns_when_stdout_is_not_a_terminal(monkeypa
     assert "x" * 100 + ".log" in captured.get()  # whole: a log path one can open
     monkeypatch.setenv("COLUMNS", "100")
     assert _stdout().width == 100  # COLUMNS still decides
+
+
+@pytest.mark.parametrize("flag", ["--gateway-port", "--port", "--manager-port"])
+def test_up_with_a_busy_port_exits_2_naming_it_before_starting_anything(flag, tmp_path):
+    """A real listening socket holds the port: `up` refuses at once (not ~20 s later, when the gateway fails
+    to bind) and makes no run directory (TMPDIR is the test's: nothing named infinite-llm-* appears)."""
+    import socket
+    import time
+
+    from infinite_llm.state.etcd_launcher import free_port
+
+    ports = {"--port": free_port(), "--manager-port": free_port(), "--gateway-port": free_port()}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports[flag] = busy.getsockname()[1]
+        env = {**os.environ, "TMPDIR": str(tmp_path), "COLUMNS": "250"}
+        start = time.monotonic()
+        proc = subprocess.run(
+            [*CLI, "up", "--insecure", *(a for f, p in ports.items() for a in (f, str(p)))],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+    flat = " ".join(proc.stderr.replace("│", " ").split())
+    assert proc.returncode == 2, proc.stderr
+    assert f"Invalid value for {flag}: port {ports[flag]} is in use on 127.0.0.1" in flat, proc.stderr
+    assert f"choose another port with {flag}" in flat
+    assert time.monotonic() - start < 30 and "starting the mesh" not in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_up_refuses_one_port_given_to_two_flags(tmp_path):
+    from infinite_llm.state.etcd_launcher import free_port
+
+    port = str(free_port())
+    env = {**os.environ, "TMPDIR": str(tmp_path), "COLUMNS": "250"}
+    proc = subprocess.run(
+        [*CLI, "up", "--insecure", "--port", port, "--manager-port", "0", "--gateway-port", port],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"Invalid value for --gateway-port: port {port} is also given to --port" in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []

@@ -56,3 +56,31 @@ def test_a_crash_loop_stops_the_supervision(mesh):
     manager.popen.wait()
     with pytest.raises(Unavailable, match="manager-0 exited 3 times"):
         mesh.restart_crashed(max_restarts=2)
+
+
+def test_a_failed_mesh_keeps_its_logs_but_not_its_keys_nor_etcds_data(monkeypatch):
+    """``keep_logs`` (a failed start, a crash loop) keeps what explains the failure, not the CAs and private
+    keys the mesh made nor etcd's ~60 MB of data."""
+    monkeypatch.delenv("INFINITE_LLM_TLS_DIR", raising=False)
+    mesh = LocalMesh(MeshConfig())
+    mesh._setup_tls()
+    assert (mesh.log_dir / "tls" / "ca-key.pem").exists() and (mesh.log_dir / "etcd-tls" / "etcd-key.pem").exists()
+    (mesh.log_dir / "etcd" / "etcd" / "member").mkdir(parents=True)
+    (mesh.log_dir / "etcd" / "etcd" / "member" / "wal").write_bytes(b"\0" * 1024)
+    (mesh.log_dir / "etcd" / "etcd.log").write_text("etcd says")
+    (mesh.log_dir / "gateway.log").write_text("address already in use")
+    mesh.keep_logs = True
+    try:
+        mesh.stop()
+        kept = sorted(str(p.relative_to(mesh.log_dir)) for p in mesh.log_dir.rglob("*"))
+        assert kept == ["etcd", "etcd/etcd.log", "gateway.log"]
+    finally:
+        shutil.rmtree(mesh.log_dir, ignore_errors=True)
+
+
+def test_a_mesh_that_stops_normally_removes_its_run_directory(monkeypatch):
+    monkeypatch.delenv("INFINITE_LLM_TLS_DIR", raising=False)
+    mesh = LocalMesh(MeshConfig())
+    mesh._setup_tls()
+    mesh.stop()
+    assert not mesh.log_dir.exists()

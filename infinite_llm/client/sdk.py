@@ -15,6 +15,7 @@ by default the process's identity, else ``$INFINITE_LLM_TLS_DIR``, else plaintex
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -94,6 +95,14 @@ def _request(prompt: str | list[int], request_id: str | None, model: str | None,
     return req
 
 
+def _timeout(timeout: float) -> float:
+    """``timeout`` (seconds) once checked: a non-positive or non-finite one would reach gRPC as a deadline
+    already past (DEADLINE_EXCEEDED, as if the mesh were slow) or none at all. Raises ``InvalidRequest``."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+        raise InvalidRequest(f"timeout must be a positive, finite number of seconds, got {timeout!r}", param="timeout")
+    return float(timeout)
+
+
 def _credentials(tls: TlsArg | str | Path, api_key: str | None) -> tuple[grpc.ChannelCredentials | None, list]:
     """Channel credentials (None: plaintext) and options for ``tls`` and ``api_key``."""
     identity = client_tls(tls)
@@ -140,7 +149,7 @@ class Client:
         try:
             return _chunk(
                 self._stub.Generate(
-                    _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=timeout
+                    _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=_timeout(timeout)
                 )
             )
         except grpc.RpcError as e:
@@ -158,7 +167,7 @@ class Client:
     ) -> Iterator[CompletionChunk]:
         """Yield chunks as they come; closing the iterator early cancels the request (its rBlocks are freed)."""
         call = self._stub.GenerateStream(
-            _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=timeout
+            _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=_timeout(timeout)
         )
         try:
             for msg in call:
@@ -170,20 +179,20 @@ class Client:
 
     def abort(self, request_id: str, timeout: float = 10.0) -> bool:
         try:
-            return self._stub.Abort(gpb.AbortRequest(request_id=request_id), timeout=timeout).aborted
+            return self._stub.Abort(gpb.AbortRequest(request_id=request_id), timeout=_timeout(timeout)).aborted
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
     def list_models(self, timeout: float = 10.0) -> list[str]:
         try:
-            return [m.id for m in self._stub.ListModels(rpb.ListModelsRequest(), timeout=timeout).models]
+            return [m.id for m in self._stub.ListModels(rpb.ListModelsRequest(), timeout=_timeout(timeout)).models]
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
     def tokenize(self, text: str, add_special_tokens: bool = True, timeout: float = 10.0) -> list[int]:
         try:
             req = rpb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-            return list(self._stub.Tokenize(req, timeout=timeout).token_ids)
+            return list(self._stub.Tokenize(req, timeout=_timeout(timeout)).token_ids)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
@@ -220,7 +229,7 @@ class AsyncClient:
     ) -> Completion:
         try:
             req = _request(prompt, request_id, model, max_tokens=max_tokens, **sampling)
-            return _chunk(await self._stub.Generate(req, timeout=timeout))
+            return _chunk(await self._stub.Generate(req, timeout=_timeout(timeout)))
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
@@ -235,7 +244,7 @@ class AsyncClient:
         **sampling,
     ) -> AsyncIterator[CompletionChunk]:
         call = self._stub.GenerateStream(
-            _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=timeout
+            _request(prompt, request_id, model, max_tokens=max_tokens, **sampling), timeout=_timeout(timeout)
         )
         try:
             async for msg in call:
@@ -247,12 +256,14 @@ class AsyncClient:
 
     async def abort(self, request_id: str, timeout: float = 10.0) -> bool:
         try:
-            return (await self._stub.Abort(gpb.AbortRequest(request_id=request_id), timeout=timeout)).aborted
+            return (await self._stub.Abort(gpb.AbortRequest(request_id=request_id), timeout=_timeout(timeout))).aborted
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
     async def list_models(self, timeout: float = 10.0) -> list[str]:
         try:
-            return [m.id for m in (await self._stub.ListModels(rpb.ListModelsRequest(), timeout=timeout)).models]
+            return [
+                m.id for m in (await self._stub.ListModels(rpb.ListModelsRequest(), timeout=_timeout(timeout))).models
+            ]
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None

@@ -149,19 +149,38 @@ def _write(path: Path, data: bytes, private: bool) -> None:
         f.write(data)
 
 
+def tls_dir_files(roles: Sequence[str] = ROLES, keep_ca_key: bool = True) -> list[str]:
+    """The file names :func:`write_tls_dir` writes for ``roles``."""
+    names = ["ca.pem", *(["ca-key.pem"] if keep_ca_key else [])]
+    return names + [f"{role}{suffix}" for role in roles for suffix in (".pem", "-key.pem")]
+
+
+class TlsDirExists(FileExistsError):
+    """A TLS directory already holds files a new CA would replace (``files``: their names)."""
+
+    def __init__(self, directory: Path, files: list[str]) -> None:
+        super().__init__(f"{directory} already holds {', '.join(files)}; replacing them needs force")
+        self.directory, self.files = directory, files
+
+
 def write_tls_dir(
     directory: str | Path,
     roles: Sequence[str] = ROLES,
     hosts: Sequence[str] = (),
     days: int = DEFAULT_DAYS,
     keep_ca_key: bool = True,
+    force: bool = False,
 ) -> Path:
     """Create a CA and one certificate per role in ``directory`` (made if missing); returns it.
 
     ``hosts``: extra DNS names / IPs for the service roles (e.g. ``manager.infinite-llm.svc``).
     ``keep_ca_key``: also write ``ca-key.pem`` (to sign more later); a pod never needs it.
+    ``force``: replace files of an earlier CA. Without it, a directory already holding any of the files
+    raises :class:`TlsDirExists` naming them: servers reload changed files, so a new CA written over a live
+    cluster's directory would break every connection between its services.
     """
     out = Path(directory)
+    _refuse_to_replace(out, tls_dir_files(roles, keep_ca_key), force)
     out.mkdir(parents=True, exist_ok=True)
     ca_cert, ca_key = make_ca(days=days)
     _write(out / "ca.pem", cert_pem(ca_cert), private=False)
@@ -172,6 +191,12 @@ def write_tls_dir(
         _write(out / f"{role}.pem", cert_pem(cert), private=False)
         _write(out / f"{role}-key.pem", key_pem(key), private=True)
     return out
+
+
+def _refuse_to_replace(directory: Path, names: Iterable[str], force: bool) -> None:
+    found = [] if force else [name for name in names if (directory / name).exists()]
+    if found:
+        raise TlsDirExists(directory, found)
 
 
 # ---- etcd's own CA ---------------------------------------------------------------------------------------
@@ -198,11 +223,16 @@ def etcd_pems(hosts: Sequence[str] = (), days: int = DEFAULT_DAYS) -> tuple[byte
     return cert_pem(ca_cert), pems
 
 
-def write_etcd_tls_dir(directory: str | Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS) -> Path:
+def write_etcd_tls_dir(
+    directory: str | Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS, force: bool = False
+) -> Path:
     """Write an etcd TLS directory (made if missing; returns it): ``ca.pem`` (the etcd CA, not the cluster's),
     ``etcd.pem``/``etcd-key.pem`` (what etcd serves with) and ``manager.pem``/``manager-key.pem`` (what the
-    manager dials etcd with: ``serve manager --etcd-tls-dir``). The etcd CA's key is not kept."""
+    manager dials etcd with: ``serve manager --etcd-tls-dir``). The etcd CA's key is not kept. Without
+    ``force``, raises :class:`TlsDirExists` when the directory holds any of these files already."""
     out = Path(directory)
+    stems = (ETCD_SERVER, ETCD_CLIENT)
+    _refuse_to_replace(out, ["ca.pem", *(f"{s}{suffix}" for s in stems for suffix in (".pem", "-key.pem"))], force)
     out.mkdir(parents=True, exist_ok=True)
     ca, pems = etcd_pems(hosts, days)
     _write(out / "ca.pem", ca, private=False)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinite_llm.core.errors import Unavailable
+from infinite_llm.parent_death import die_with_parent
 from infinite_llm.rpc.certs import ETCD_SERVER
 from infinite_llm.rpc.tls import tls_files
 
@@ -184,6 +185,7 @@ def start_etcd(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),  # a killed `up` must not leave etcd holding its ports
         )
     server = EtcdProcess(proc, host, *ports, data_dir=root, owns_data_dir=owns, log_path=log_path, tls=tls)
     _wait_healthy(server, startup_timeout_s)

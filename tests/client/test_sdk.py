@@ -1,0 +1,85 @@
+"""The SDK's own checks (``infinite_llm/client/sdk.py``): a timeout that is not a positive, finite number of
+seconds is the caller's error (InvalidRequest naming ``timeout``), raised before any RPC reaches the server;
+gRPC itself would report it as DEADLINE_EXCEEDED, as if the mesh were slow."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from concurrent import futures
+
+import grpc
+import pytest
+
+from infinite_llm.client import AsyncClient, Client, InvalidRequest
+from infinite_llm.client.errors import InfiniteLLMError
+
+
+@pytest.fixture
+def server():
+    """A gRPC server that records each method called and implements none (UNIMPLEMENTED)."""
+    calls: list[str] = []
+
+    class Recorder(grpc.GenericRpcHandler):
+        def service(self, details):
+            calls.append(details.method)
+            return None
+
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    srv.add_generic_rpc_handlers((Recorder(),))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    yield f"127.0.0.1:{port}", calls
+    srv.stop(None)
+
+
+BAD_TIMEOUTS = [-1, 0, 0.0, -0.5, math.inf, math.nan, "10", True]
+CALLS = {
+    "generate": lambda c, t: c.generate("hi", timeout=t),
+    "stream": lambda c, t: list(c.stream("hi", timeout=t)),
+    "abort": lambda c, t: c.abort("cmpl-1", timeout=t),
+    "list_models": lambda c, t: c.list_models(timeout=t),
+    "tokenize": lambda c, t: c.tokenize("hi", timeout=t),
+}
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+@pytest.mark.parametrize("method", sorted(CALLS))
+def test_a_bad_timeout_is_invalid_request_before_any_rpc(server, method, timeout):
+    address, calls = server
+    with Client(address, tls=None) as client, pytest.raises(InvalidRequest) as e:
+        CALLS[method](client, timeout)
+    assert e.value.param == "timeout"
+    assert f"timeout must be a positive, finite number of seconds, got {timeout!r}" in e.value.message
+    assert calls == []
+
+
+def test_a_positive_timeout_reaches_the_server(server):
+    address, calls = server
+    with Client(address, tls=None) as client, pytest.raises(InfiniteLLMError) as e:
+        client.generate("hi", timeout=5)
+    assert not isinstance(e.value, InvalidRequest)  # the server's UNIMPLEMENTED, not our check
+    assert calls == ["/infinite_llm.v1.Router/Generate"]
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, math.inf])
+def test_the_async_client_refuses_a_bad_timeout_before_any_rpc(server, timeout):
+    address, calls = server
+
+    async def stream_all(client):
+        return [chunk async for chunk in client.stream("hi", timeout=timeout)]
+
+    async def main():
+        async with AsyncClient(address, tls=None) as client:
+            for call in (
+                lambda: client.generate("hi", timeout=timeout),
+                lambda: stream_all(client),
+                lambda: client.abort("cmpl-1", timeout=timeout),
+                lambda: client.list_models(timeout=timeout),
+            ):
+                with pytest.raises(InvalidRequest) as e:
+                    await call()
+                assert e.value.param == "timeout"
+
+    asyncio.run(main())
+    assert calls == []

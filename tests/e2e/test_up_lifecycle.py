@@ -1,0 +1,70 @@
+"""``infinite-llm up`` killed outright (SIGKILL: it cannot stop the mesh): every child it started, etcd
+included, gets SIGTERM from the kernel (``parent_death``) and exits, freeing its port for the next ``up``
+(a real process tree, the size of ``test_up_tls``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from infinite_llm.mesh import port_in_use
+from infinite_llm.state.etcd_launcher import free_port
+from tests.e2e.conftest import BLOCKS_PER_SERVER, BYTES_PER_BLOCK
+from tests.e2e.test_up_tls import CLI, _env, _wait_for_tls_dir
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (from /proc; zombies count as gone)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _parent_and_state(int(entry.name))[0] == pid:
+            found.append(int(entry.name))
+    return [p for p in found if _alive(p)]
+
+
+def _parent_and_state(pid: int) -> tuple[int, str]:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1, "gone"
+    fields = stat.rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+    return int(fields[1]), fields[0]
+
+
+def _alive(pid: int) -> bool:
+    return _parent_and_state(pid)[1] not in ("gone", "Z", "X")  # a reparented zombie has exited
+
+
+def test_killing_up_stops_every_service_it_started(default_model_path, tmp_path):
+    router, manager, gateway = free_port(), free_port(), free_port()
+    log = tmp_path / "up.out"
+    args = ["up", "--attention-servers", "1", "--kv-memory", str(BLOCKS_PER_SERVER * BYTES_PER_BLOCK)]
+    args += ["--port", str(router), "--manager-port", str(manager), "--gateway-port", str(gateway)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=_env())
+    children: list[int] = []
+    run_dir = None
+    try:
+        run_dir = _wait_for_tls_dir(proc, log).parent
+        children = _children(proc.pid)
+        assert len(children) == 6, children  # etcd, manager, attn-0, compute-0, router, gateway
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while [p for p in children if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert [p for p in children if _alive(p)] == [], log.read_text()
+        assert not any(port_in_use(p) for p in (router, manager, gateway))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if run_dir is not None:  # up, killed, could not remove it
+            shutil.rmtree(run_dir, ignore_errors=True)
