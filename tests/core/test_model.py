@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from infinite_llm.core.config import ModelConfig
-from infinite_llm.core.model import AttentionFn, LlamaForCausalLM, apply_rope
+from infinite_llm.core.model import MLP, TORCH_OPS, AttentionFn, LlamaForCausalLM, apply_rope
 from infinite_llm.kernels import ENV_FORCE
 from infinite_llm.models.checkpoint import expected_shapes
 
@@ -76,15 +76,29 @@ def _causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out.transpose(0, 1)
 
 
+@pytest.mark.parametrize("num_tokens", [3, 6], ids=["one-gate-up-matmul", "two-on-cpu"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_projections_compute_what_the_hf_named_weights_say(bias):
+def test_fused_projections_compute_what_the_hf_named_weights_say(bias, num_tokens):
     cfg = _cfg(bias)
     weights = _hf_weights(cfg)
     model = LlamaForCausalLM(cfg)
     model.load_state_dict_hf(weights)
-    ids = torch.tensor([3, 7, 1, 30, 5, 9])
-    logits = model(ids, torch.arange(6), _causal_attention, torch.arange(6))
+    ids = torch.tensor([3, 7, 1, 30, 5, 9])[:num_tokens]
+    positions = torch.arange(num_tokens)
+    logits = model(ids, positions, _causal_attention, positions)
     torch.testing.assert_close(logits, _unfused_logits(cfg, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_gate_up_split_gives_what_the_one_matmul_gives(monkeypatch):
+    low, high = MLP.CPU_SPLIT_TOKENS
+    assert low <= 16 <= high and not low <= 1 <= high  # batch 16 decode splits, batch 1 does not
+    mlp = MLP(_cfg(False))
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        split = mlp(x, TORCH_OPS)
+        monkeypatch.setattr(MLP, "CPU_SPLIT_TOKENS", (1, 0))  # never: one matmul, then silu_and_mul
+        fused = mlp(x, TORCH_OPS)
+    torch.testing.assert_close(split, fused, atol=1e-6, rtol=1e-6)
 
 
 def test_hf_parameter_names_are_the_checkpoint_contract():
