@@ -7,14 +7,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 from infinite_llm.mesh import port_in_use
-from infinite_llm.state.etcd_launcher import free_port
-from tests.e2e.conftest import BLOCKS_PER_SERVER, BYTES_PER_BLOCK
-from tests.e2e.test_up_tls import CLI, _env, _wait_for_tls_dir
+from tests.e2e.test_up_tls import _wait_for_tls_dir, start_up
 
 
 def _children(pid: int) -> list[int]:
@@ -40,12 +37,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_killing_up_stops_every_service_it_started(default_model_path, tmp_path):
-    router, manager, gateway = free_port(), free_port(), free_port()
     log = tmp_path / "up.out"
-    args = ["up", "--attention-servers", "1", "--kv-memory", str(BLOCKS_PER_SERVER * BYTES_PER_BLOCK)]
-    args += ["--port", str(router), "--manager-port", str(manager), "--gateway-port", str(gateway)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=_env())
+    proc, (router, manager, gateway) = start_up(log)
     children: list[int] = []
     run_dir = None
     try:

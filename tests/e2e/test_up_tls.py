@@ -38,13 +38,20 @@ def _wait_for_tls_dir(proc: subprocess.Popen, log: Path, timeout_s: float = 240)
     raise AssertionError(f"up printed no --tls-dir:\n{log.read_text()}")
 
 
-def test_up_makes_a_ca_and_prints_the_tls_dir_clients_need(default_model_path, tmp_path):
+def start_up(log: Path) -> tuple[subprocess.Popen, tuple[int, int, int]]:
+    """``infinite-llm up`` with one attention server, its output in ``log``: the process and its router,
+    manager and gateway ports."""
     router, manager, gateway = free_port(), free_port(), free_port()
-    log = tmp_path / "up.out"
     args = ["up", "--attention-servers", "1", "--kv-memory", str(BLOCKS_PER_SERVER * BYTES_PER_BLOCK)]
     args += ["--port", str(router), "--manager-port", str(manager), "--gateway-port", str(gateway)]
     with open(log, "wb") as out:
         proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=_env())
+    return proc, (router, manager, gateway)
+
+
+def test_up_makes_a_ca_and_prints_the_tls_dir_clients_need(default_model_path, tmp_path):
+    log = tmp_path / "up.out"
+    proc, (router, manager, _) = start_up(log)
     try:
         tls_dir = _wait_for_tls_dir(proc, log)
         assert {p.name for p in tls_dir.iterdir()} >= {"ca.pem", "client.pem", "client-key.pem"}
