@@ -39,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
-from infinite_llm.parent_death import die_with_parent
+from infinite_llm.parent_death import dying_with_parent, unwrapped
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.tls import TLS_DIR_ENV, TlsConfig, load_tls_dir
 from infinite_llm.state.etcd_launcher import EtcdProcess, EtcdTls, free_port, start_etcd
@@ -387,15 +387,15 @@ class LocalMesh:
 
 def _popen(cmd: list[str], log_path: Path, role: str, append: bool = False) -> subprocess.Popen:
     """Start a service with its output in ``log_path``; on Linux it gets SIGTERM if this process dies
-    (killed outright, it cannot stop the mesh: see ``parent_death``)."""
+    (killed outright, it cannot stop the mesh: see ``parent_death``). ``cmd`` may be an earlier start's
+    ``popen.args`` (a restart): its ``parent_death`` prefix is made anew."""
     with open(log_path, "ab" if append else "wb") as out:
         return subprocess.Popen(
-            cmd,
+            dying_with_parent(unwrapped(cmd)),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=_env(role),
-            preexec_fn=die_with_parent(),  # only prctl and getppid run between fork and exec
         )
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinite_llm.core.errors import Unavailable
-from infinite_llm.parent_death import die_with_parent
+from infinite_llm.parent_death import dying_with_parent
 from infinite_llm.rpc.certs import ETCD_SERVER
 from infinite_llm.rpc.tls import tls_files
 
@@ -180,12 +180,11 @@ def start_etcd(
     ports = (client_port or free_port(host), free_port(host))
     log_path = root / "etcd.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            _command(binary, host, *ports, root / "etcd", tls),
+        proc = subprocess.Popen(  # a killed `up` must not leave etcd holding its ports
+            dying_with_parent(_command(binary, host, *ports, root / "etcd", tls)),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent(),  # a killed `up` must not leave etcd holding its ports
         )
     server = EtcdProcess(proc, host, *ports, data_dir=root, owns_data_dir=owns, log_path=log_path, tls=tls)
     _wait_healthy(server, startup_timeout_s)
