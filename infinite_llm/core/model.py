@@ -205,7 +205,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: DenseOps) -> torch.Tensor:
-        if x.device.type == "cpu" and self.CPU_SPLIT_TOKENS[0] <= x.shape[0] <= self.CPU_SPLIT_TOKENS[1]:
+        low, high = self.CPU_SPLIT_TOKENS  # the torch ops only: a dispatched kernel (Triton) gets gate_up whole
+        if x.device.type == "cpu" and ops.silu_and_mul is silu_and_mul and low <= x.shape[0] <= high:
             gate, up = self.gate_up_proj.weight.chunk(2)  # (I, hidden) each, row blocks of one tensor
             linear = nn.functional.linear
             return self.down_proj(nn.functional.silu(linear(x, gate)).mul_(linear(x, up)))  # (T, hidden)
