@@ -160,16 +160,10 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
-        bad_bias = [t for t in params.logit_bias if t >= vocab]
-        if bad_bias:
-            raise InvalidRequest(
-                f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {vocab})", param="logit_bias"
-            )
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise InvalidRequest(
-                f"stop_token_ids token id {bad_stop[0]} is outside the vocabulary [0, {vocab})", param="stop_token_ids"
-            )
+        for param, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            past = [t for t in token_ids if t >= vocab]  # negative ids: SamplingParams refuses them
+            if past:
+                raise InvalidRequest(f"{param} token id {past[0]} is outside the vocabulary [0, {vocab})", param=param)
         limit = self.model_config.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
             raise ContextLengthExceeded(
