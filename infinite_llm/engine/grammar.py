@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 
 from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.engine.finite_schema import require_finite_value
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
 def grammar_of(json_schema: str) -> str:
     """The llguidance grammar of ``json_schema`` (JSON text); ``InvalidRequest`` when it is not a schema
-    llguidance can enforce (bad JSON, an unsupported keyword), naming ``json_schema``."""
+    llguidance can enforce (bad JSON, an unsupported keyword, a reference it cannot resolve) or one that no
+    finite JSON value matches (``{"$ref": "#"}``: :mod:`.finite_schema`), naming ``json_schema``."""
     import llguidance
 
     try:
@@ -33,4 +35,5 @@ def grammar_of(json_schema: str) -> str:
     is_error, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise InvalidRequest(f"the JSON schema cannot be enforced: {'; '.join(problems)}", param="json_schema")
+    require_finite_value(schema)
     return grammar

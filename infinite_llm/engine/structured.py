@@ -66,12 +66,24 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def constraint(self, json_schema: str) -> GuidanceConstraint:
-        """A fresh constraint for ``json_schema``; ``InvalidRequest`` (param ``json_schema``) if unusable."""
+        """A fresh constraint for ``json_schema``; ``InvalidRequest`` (param ``json_schema``) if unusable.
+
+        The first token's mask is computed here (llguidance keeps it for the first step, ~0.1 ms): a grammar
+        that can start no value fails on it, and would otherwise allow only EOS, an empty answer. Schemas
+        with no finite value are refused before that (:mod:`.finite_schema`); this catches what that misses.
+        """
         import llguidance
 
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar_of(json_schema), log_level=0)
         if matcher.is_error():
             raise InvalidRequest(f"the JSON schema cannot be enforced: {matcher.get_error()}", param="json_schema")
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            problem = matcher.get_error().splitlines()[0]
+            raise InvalidRequest(
+                f"the JSON schema cannot be enforced: no value it allows can begin (llguidance: {problem})",
+                param="json_schema",
+            )
         return GuidanceConstraint(matcher)
 
 

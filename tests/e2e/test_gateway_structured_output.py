@@ -92,3 +92,23 @@ def test_response_formats_that_cannot_be_enforced_are_400s(http, fmt, param):
     r = http.post("/v1/chat/completions", json={"messages": QUESTION, "response_format": fmt})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == (param or "response_format.json_schema.schema")
+
+
+@pytest.mark.parametrize(
+    ("schema", "ref"),
+    [
+        ({"$ref": "#"}, "'#'"),
+        ({"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}, "'#'"),
+        ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "'#/$defs/a'"),
+    ],
+)
+def test_a_schema_with_no_finite_value_is_a_400_not_an_empty_answer(http, schema, ref):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for path, body in (("/v1/chat/completions", {"messages": QUESTION}), ("/v1/completions", {"prompt": "JSON:"})):
+        r = http.post(path, json={**body, "response_format": fmt, "max_tokens": 8})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] is None
+        assert error["param"] == "response_format.json_schema.schema"
+        assert error["message"].startswith("the JSON schema describes no finite JSON value")
+        assert f"self-referring $ref: {ref}" in error["message"]

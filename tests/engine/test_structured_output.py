@@ -62,13 +62,29 @@ def test_every_constrained_output_parses_and_validates_and_the_unconstrained_one
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
-@pytest.mark.parametrize("schema", ["{not json", "[1, 2]", json.dumps({"type": "object", "minProperties": "x"})])
+@pytest.mark.parametrize(
+    "schema",
+    ["{not json", "[1, 2]", json.dumps({"type": "object", "minProperties": "x"}), json.dumps({"$ref": "#"})],
+)
 def test_a_schema_that_cannot_be_enforced_is_an_invalid_request(make_engine, schema):
     engine = make_engine(block_size=16, num_kv_blocks=32)
     with pytest.raises(InvalidRequest) as e:
         engine.add_request("hi", SamplingParams(json_schema=schema))
     assert e.value.param == "json_schema"
     assert not engine.has_unfinished()
+
+
+def test_a_grammar_that_can_begin_no_value_is_refused_before_it_samples(make_engine, monkeypatch):
+    """Behind the finite-value check (off here): llguidance's matcher for ``{"$ref": "#"}`` fails on its
+    first mask, which would leave only EOS, an empty answer; the engine refuses the request instead."""
+    monkeypatch.setattr("infinite_llm.engine.grammar.require_finite_value", lambda schema: None)
+    engine = make_engine(block_size=16, num_kv_blocks=32)
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("hi", SamplingParams(json_schema=json.dumps({"$ref": "#"})))
+    assert e.value.param == "json_schema"
+    assert e.value.message.startswith("the JSON schema cannot be enforced: no value it allows can begin")
+    assert not engine.has_unfinished()
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
 @pytest.mark.parametrize("overlap", [True, False])
