@@ -21,12 +21,14 @@ def max_text_chars(max_model_len: int) -> int:
     return max_model_len * MAX_CHARS_PER_TOKEN
 
 
-def check_text_length(num_chars: int, max_model_len: int, param: str) -> None:
+def check_text_length(num_chars: int, max_model_len: int, param: str, what: str | None = None) -> None:
     """Raises ``InvalidRequest`` (naming ``param``) for a text of ``num_chars`` characters, or texts of that
-    many in all (a chat's messages), that cannot fit ``max_model_len`` tokens."""
+    many in all (a chat's messages), that cannot fit ``max_model_len`` tokens. ``what``: the texts counted,
+    as the message names them (default: ``param``)."""
     if num_chars > max_text_chars(max_model_len):
+        counted = f"{what} have" if what else f"{param} has"
         raise InvalidRequest(
-            f"{param} has {num_chars} characters, more than any text of the model's maximum length "
+            f"{counted} {num_chars} characters, more than any text of the model's maximum length "
             f"({max_model_len} tokens) can have ({max_text_chars(max_model_len)})",
             param=param,
         )

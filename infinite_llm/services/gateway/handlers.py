@@ -89,6 +89,19 @@ def chat_text_chars(messages: list[ChatMessage]) -> int:
     return total
 
 
+def check_chat_size(req: ChatCompletionRequest, max_model_len: int) -> None:
+    """400 for a chat whose messages and tool definitions (their compact JSON text, which the template or
+    the system message renders in full) together cannot fit ``max_model_len`` tokens; the param is the
+    larger of the two."""
+    message_chars = chat_text_chars(req.messages)
+    tool_chars = len(json.dumps(req.tools, separators=(",", ":"))) if req.tools else 0
+    if not tool_chars:
+        check_text_length(message_chars, max_model_len, param="messages")
+        return
+    param = "tools" if tool_chars > message_chars else "messages"
+    check_text_length(message_chars + tool_chars, max_model_len, param=param, what="messages and tools")
+
+
 def chat_prompt(
     messages: list[ChatMessage],
     tokenizer,  # noqa: ANN001
@@ -137,9 +150,10 @@ async def plan(
     check_choices(req, max_choices)
     card = await backend.model(req.model)
     chat = isinstance(req, ChatCompletionRequest)
-    tool_plan = tools.tool_plan(req.tools, req.tool_choice, backend.tokenizer) if chat else None
+    tool_plan = None
     if chat:
-        check_text_length(chat_text_chars(req.messages), card.max_model_len, param="messages")
+        check_chat_size(req, card.max_model_len)
+        tool_plan = tools.tool_plan(req.tools, req.tool_choice, backend.tokenizer)
         render = (req.messages, backend.tokenizer, special_tokens_in_content, tool_plan)
         prompts = [await asyncio.to_thread(chat_prompt, *render)]
     else:

@@ -122,6 +122,54 @@ def test_an_oversized_prompt_is_a_400_at_once_without_tokenizing(router_address,
     assert took < 5.0, took  # the body is parsed and checked, nothing more
 
 
+def _tool(description: str) -> dict:
+    return {"type": "function", "function": {"name": "f", "description": description}}
+
+
+@pytest.mark.parametrize(
+    ("content", "description", "param", "chars"),
+    [
+        ("hi", "hello world " * 90000, "tools", 2 + 1_080_062),  # the tools alone are too long
+        ("hello world " * 50000, "hello world " * 50000, "tools", 600_000 + 600_062),  # each fits, not both
+        ("hello world " * 60000, "hello world " * 40000, "messages", 720_000 + 480_062),
+    ],
+    ids=["tools-alone", "tools-the-larger-part", "messages-the-larger-part"],
+)
+@pytest.mark.parametrize("tool_choice", ["none", "required"])
+def test_a_chat_whose_messages_and_tools_are_oversized_in_all_is_a_400_without_tokenizing(
+    router_address, tokenizer, content, description, param, chars, tool_choice
+):
+    """The tool definitions reach the prompt (the template's tools, or the system message's listing), so
+    their JSON text counts with the messages (compact: 62 characters of the tool here besides its
+    description)."""
+    gate = GatedTokenizer(tokenizer, min_chars=0)
+    gate.release.set()
+    body = {"messages": [{"role": "user", "content": content}], "tools": [_tool(description)]}
+    with TestClient(create_app(RouterBackend(router_address, gate, tls=None))) as c:
+        start = time.monotonic()
+        r = c.post("/v1/chat/completions", json={**body, "tool_choice": tool_choice, "max_tokens": 2})
+        took = time.monotonic() - start
+    error = _error(r, 400, param)
+    assert error["message"] == (
+        f"messages and tools have {chars} characters, more than any text of the model's maximum length (8192 "
+        f"tokens) can have ({max_text_chars(MAX_MODEL_LEN)})"
+    )
+    assert gate.calls == [] and not gate.started.is_set()
+    assert took < 5.0, took
+
+
+def test_a_chat_with_tools_under_the_limit_goes_to_the_mesh(router_address, tokenizer):
+    """Rendered with the tools' listing in a system message (SmolLM2's template does not render tools), then
+    sent on: 503, the router's only compute instance is unreachable."""
+    gate = GatedTokenizer(tokenizer, min_chars=0)
+    gate.release.set()
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [_tool("hello " * 100)]}
+    with TestClient(create_app(RouterBackend(router_address, gate, tls=None))) as c:
+        r = c.post("/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 503, r.text
+    assert len(gate.calls) == 1 and gate.calls[0] > 600  # "hi" and the tool's listing
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_long_prompt_being_tokenized_stalls_no_other_request(router_address, tokenizer, chat):
     """While a large but allowed prompt is held inside the real tokenizer, ``/health`` and ``/v1/models``
