@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.engine.grammar import grammar_of
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -54,6 +55,8 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, tokenizer) -> ToolPlan 
                 "model's does not; use tool_choice 'required' or name a function (both are enforced by a grammar)",
                 param="tool_choice",
             )
+        if choice == "required":
+            _check_parameters(functions, list(functions))
         schema = _required_schema(functions) if choice == "required" else None
         return ToolPlan(choice, functions, json_schema=schema)
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
@@ -63,6 +66,7 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, tokenizer) -> ToolPlan 
             f"naming one of the tools {sorted(functions)}; got {choice!r}",
             param="tool_choice",
         )
+    _check_parameters(functions, [name])
     return ToolPlan("named", functions, name, json.dumps(functions[name]["parameters"]))
 
 
@@ -77,17 +81,36 @@ def _functions(tools: list[Any]) -> dict[str, dict]:
     return out
 
 
+def _check_parameters(functions: dict[str, dict], names: list[str]) -> None:
+    """400 naming ``tools.i.function.parameters`` when a schema the output must follow cannot be enforced
+    (the check ``response_format`` gets), before the mesh sees the request."""
+    for i, (name, fn) in enumerate(functions.items()):
+        if name in names:
+            try:
+                grammar_of(json.dumps(fn["parameters"]))
+            except InvalidRequest as e:
+                raise InvalidRequest(e.message, param=f"tools.{i}.function.parameters") from None
+
+
 def _required_schema(functions: dict[str, dict]) -> str:
+    """One array item per function; each function's parameters keep their own ``$ref`` root (``#`` and
+    ``#/$defs/...`` inside them mean the parameters, not the array) through an ``$id`` of their own."""
     items = [
         {
             "type": "object",
-            "properties": {"name": {"enum": [name]}, "parameters": fn["parameters"]},
+            "properties": {"name": {"enum": [name]}, "parameters": _own_resource(fn["parameters"], i)},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for name, fn in functions.items()
+        for i, (name, fn) in enumerate(functions.items())
     ]
     return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": items}})
+
+
+def _own_resource(schema: Any, i: int) -> Any:
+    if not isinstance(schema, dict) or "$id" in schema:
+        return schema
+    return {"$id": f"urn:infinite-llm:tool-parameters:{i}", **schema}
 
 
 # ---- the prompt -------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 from infinite_llm.core.errors import InvalidRequest
+from infinite_llm.engine.grammar import grammar_of
 from infinite_llm.services.gateway.tools import parse_calls, render_history, tool_plan
 
 WEATHER = {
@@ -90,6 +91,56 @@ def test_bad_tools_or_tool_choice_are_400s_naming_the_field(tools, choice, param
     with pytest.raises(InvalidRequest) as e:
         tool_plan(tools, choice, CHATML)
     assert e.value.param == param
+
+
+LIST = {  # parameters whose $refs point into themselves
+    "type": "function",
+    "function": {
+        "name": "walk",
+        "parameters": {
+            "type": "object",
+            "properties": {"head": {"$ref": "#/$defs/node"}},
+            "required": ["head"],
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {"value": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}},
+                    "required": ["value"],
+                }
+            },
+        },
+    },
+}
+
+
+def test_required_keeps_each_functions_refs_pointing_into_its_own_parameters():
+    schema = tool_plan([WEATHER, LIST], "required", CHATML).json_schema
+    assert '"json_schema"' in grammar_of(schema)  # "#/$defs/node" resolves inside the array's item
+    jsonschema.validate(
+        [{"name": "walk", "parameters": {"head": {"value": 1, "next": {"value": 2}}}}], json.loads(schema)
+    )
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "walk", "parameters": {"head": {"next": {}}}}], json.loads(schema))
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"$ref": "#"}, "the JSON schema describes no finite JSON value"),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "describes no finite JSON value"),
+        ({"type": "array", "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
+    ],
+)
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+def test_an_enforced_function_schema_that_cannot_be_enforced_is_a_400_naming_its_parameters(
+    parameters, message, choice
+):
+    bad = {"type": "function", "function": {"name": "bad", "parameters": parameters}}
+    with pytest.raises(InvalidRequest) as e:
+        tool_plan([WEATHER, bad], choice, CHATML)
+    assert e.value.param == "tools.1.function.parameters"
+    assert message in e.value.message
+    assert tool_plan([WEATHER, bad], "none", CHATML).json_schema is None  # shown to the model, not enforced
 
 
 def test_history_keeps_calls_and_results_with_or_without_a_tool_template():
