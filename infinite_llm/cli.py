@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -151,10 +153,12 @@ def generate(
     if chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     start, n = time.perf_counter(), 0
-    for out in engine.stream(_encode(engine, text, chat), params):
-        sys.stdout.write(out.new_text)
-        sys.stdout.flush()
-        n += len(out.new_token_ids)
+    outs = engine.stream(_encode(engine, text, chat), params)
+    with _cancel_on_interrupt(outs):
+        for out in outs:
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            n += len(out.new_token_ids)
     sys.stdout.write("\n")
     elapsed = time.perf_counter() - start
     logging.getLogger("infinite_llm").info("%d tokens in %.2f s (%.1f tokens/s)", n, elapsed, n / max(elapsed, 1e-9))
@@ -190,10 +194,12 @@ def _generate_via_router(
         prompt = tokenizer.encode(templated, add_special_tokens=False)
     start, last = time.perf_counter(), None
     with Client(router, tls=tls, api_key=api_key) as client:
-        for chunk in client.stream(prompt, max_tokens=max_tokens, model=served, **sampling):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            last = chunk
+        chunks = client.stream(prompt, max_tokens=max_tokens, model=served, **sampling)
+        with _cancel_on_interrupt(chunks):
+            for chunk in chunks:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
     sys.stdout.write("\n")
     if last is not None:
         elapsed = time.perf_counter() - start
@@ -207,6 +213,21 @@ def _generate_via_router(
             last.prompt_tokens,
             spread or "none",
         )
+
+
+@contextmanager
+def _cancel_on_interrupt(stream: Iterator) -> Iterator[None]:
+    """Ctrl-C (SIGINT) while ``stream`` runs closes it at once (through the mesh: the call is cancelled, and the
+    router aborts the request and frees its rBlocks; locally: the engine aborts it), ends the text written so
+    far with a newline, says so in one line on stderr and exits 130 (128 + SIGINT, as shells report it)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        stream.close()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        err.print("interrupted: the request was cancelled")
+        raise typer.Exit(130) from None
 
 
 def _encode(engine, text: str, chat: bool) -> list[int]:  # noqa: ANN001

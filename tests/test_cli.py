@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,30 @@ def test_bad_input_exits_2_with_a_clear_message(args, message):
     flat = " ".join(proc.stderr.replace("│", " ").split())  # rich may box and wrap the message
     assert message in flat, proc.stderr
     assert proc.stdout == ""
+
+
+def test_sigint_while_generating_locally_stops_at_once_and_exits_130():
+    """The single-process engine: Ctrl-C aborts the request, one line on stderr, exit 130 (128 + SIGINT). The
+    mesh's case, where the call is cancelled and the rBlocks freed: ``tests/e2e/test_cli_interrupt.py``."""
+    argv = [*CLI, "generate", "--prompt", "Count from 1 to 500:", "--max-tokens", "500"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        first = proc.stdout.read1(4096)  # the first text: the model is loaded and generating
+        assert first and proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        returncode = proc.wait(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read().decode()
+    assert returncode == 130 and took < 5.0, (returncode, took, stderr)
+    assert stderr.strip().splitlines()[-1] == "interrupted: the request was cancelled"
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
 
 
 def test_an_unreachable_router_is_a_service_failure_exit_1(tmp_path):
