@@ -49,7 +49,7 @@ def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
     # cached: rBlocks in the prefix-cache index; those no sequence reads count as free (evicted LRU first)
     servers.caption = f"cluster: {used}/{total} rBlocks used, {cached} cached (shared prefixes)"
     console.print(servers)
-    console.print(compute_table(state.compute_instances))
+    console.print(compute_table(state.compute_instances, {s.server_id for s in state.servers}))
     ledger = Table(title="sequences (rBlocks per server)")
     ledger.add_column("sequence")
     ledger.add_column("instance")
@@ -62,15 +62,17 @@ def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
     console.print(ledger)
 
 
-def compute_table(instances: list[mpb.ComputeInstanceState]) -> Table:
+def compute_table(instances: list[mpb.ComputeInstanceState], live_servers: set[str]) -> Table:
     """One row per compute instance: its homes, batch size (running sequences), queue (waiting), tokens its
-    sequences hold, and its debt: rBlocks of its sequences on attention servers that are not its homes."""
+    sequences hold, and its debt: rBlocks of its sequences on attention servers that are not its homes.
+    A named home that is not among ``live_servers`` (the manager's members: never registered, or its lease
+    lapsed) reads ``<id> (down)``."""
     table = Table(title="compute instances")
     for col in ("instance", "address", "node", "homes", "batch", "queue", "tokens held", "debt (rBlocks)"):
         table.add_column(col, justify="left" if col in ("instance", "address", "node", "homes") else "right")
     for c in instances:
         debt = str(c.debt_blocks) if c.HasField("debt_blocks") else "?"
-        homes = ", ".join(c.home_server_ids) or "-"
+        homes = ", ".join(h if h in live_servers else f"{h} (down)" for h in c.home_server_ids) or "-"
         table.add_row(
             c.instance_id,
             c.address,

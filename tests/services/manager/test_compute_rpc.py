@@ -143,6 +143,30 @@ def test_cluster_state_names_each_sequence_owner_and_each_instance_debt(etcd_ser
     asyncio.run(scenario())
 
 
+def test_status_shows_a_home_the_manager_does_not_list_as_down(etcd_server, etcd_prefix):
+    """``infinite-llm status`` against the served manager: of c0's named homes, a is live, b has left
+    (deregistered) and gone never registered; the homes column says which are down."""
+    from typer.testing import CliRunner
+
+    from infinite_llm.cli import app
+
+    async def scenario():
+        async with running_manager(etcd_server, etcd_prefix, make_servers({"a": 4, "b": 4})) as m, served(m) as stub:
+            await stub.RegisterCompute(
+                mpb.RegisterComputeRequest(**{**REGISTER, "home_server_ids": ["a", "b", "gone"]})
+            )
+            await m.deregister("b")
+            argv = ["status", "--manager", stub.address, "--insecure"]
+            return await asyncio.to_thread(CliRunner().invoke, app, argv, env={"COLUMNS": "250"})
+
+    out = asyncio.run(scenario())
+    assert out.exit_code == 0, out.output
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.output.splitlines()]
+    (c0,) = [r for r in rows if r and r[0] == "c0"]
+    assert c0[:4] == ["c0", "127.0.0.1:50070", "-", "a, b (down), gone (down)"]
+    assert [r[0] for r in rows if len(r) == 9] == ["a"]  # the attention servers' table: a alone
+
+
 def test_a_shared_blocks_readers_follow_it_over_heartbeats(etcd_server, etcd_prefix):
     """The wire path of issue 13's shared-block migration: a move result carrying the moved hashes arrives in
     a heartbeat; the other reader's instance (a real ComputeRegistrar, here without a migration executor)
