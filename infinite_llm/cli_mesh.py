@@ -105,6 +105,7 @@ def _size(text: str) -> int:
         raise typer.BadParameter(str(e), param_hint="--kv-memory") from None
 
 
+API_KEY_ENV = "INFINITE_LLM_API_KEY"  # the router's and the gateway's --api-key; up's services inherit it
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
@@ -522,7 +523,7 @@ def up(
         raise
     previous = {}  # the handlers before ours, put back when the mesh stops (`up` may run inside a process)
     try:
-        _print_mesh(mesh)
+        _print_mesh(mesh, api_key_required=bool(os.environ.get(API_KEY_ENV)))
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # any: stop front to back
             previous[sig] = signal.signal(sig, lambda *_: done.set())
@@ -574,7 +575,9 @@ def _say_where_logs_are(mesh) -> None:  # noqa: ANN001
         err.print(f"the services' logs are kept in {mesh.log_dir} (its certificates, keys and etcd data removed)")
 
 
-def _print_mesh(mesh) -> None:  # noqa: ANN001
+def _print_mesh(mesh, api_key_required: bool) -> None:  # noqa: ANN001
+    """The services, their addresses, metrics and logs; the endpoints; and how clients get in: the API key
+    (inherited by the router and the gateway from ``INFINITE_LLM_API_KEY``; never printed) and mTLS."""
     table = Table(title="local mesh")
     table.add_column("service")
     table.add_column("listens on")
@@ -591,6 +594,11 @@ def _print_mesh(mesh) -> None:  # noqa: ANN001
         f"router: {mesh.router_address}    manager: {mesh.manager_address}    "
         f"OpenAI API: http://{mesh.gateway_address}/v1    (Ctrl-C stops all)"
     )
+    if api_key_required:
+        out.print(
+            f"API key required ({API_KEY_ENV} is set): the OpenAI API and the router take "
+            f"'Authorization: Bearer <key>' (generate --router sends it from --api-key or {API_KEY_ENV})"
+        )
     if mesh.tls_dir is not None:
         out.print(f"mTLS on; clients: --tls-dir {mesh.tls_dir}   (or export INFINITE_LLM_TLS_DIR={mesh.tls_dir})")
         if mesh.etcd_tls_dir is not None:

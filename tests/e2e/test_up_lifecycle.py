@@ -43,6 +43,7 @@ def test_killing_up_stops_every_service_it_started(default_model_path, tmp_path)
     run_dir = None
     try:
         run_dir = _wait_for_tls_dir(proc, log).parent
+        assert "API key required" not in log.read_text()  # started without INFINITE_LLM_API_KEY
         children = _children(proc.pid)
         assert len(children) == 6, children  # etcd, manager, attn-0, compute-0, router, gateway
         proc.send_signal(signal.SIGKILL)

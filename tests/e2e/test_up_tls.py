@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infinite_llm.state.etcd_launcher import free_port
@@ -21,9 +22,17 @@ from tests.e2e.conftest import BLOCKS_PER_SERVER, BYTES_PER_BLOCK
 CLI = [sys.executable, "-m", "infinite_llm.cli"]
 
 
-def _env() -> dict[str, str]:
+API_KEY = "up-test-key-7f3a"
+
+
+def _env(api_key: str | None = None) -> dict[str, str]:
+    """The environment of ``up`` and its clients: no TLS directory (up makes its own CA) and
+    ``INFINITE_LLM_API_KEY`` only when ``api_key`` is given."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "250"}
-    env.pop("INFINITE_LLM_TLS_DIR", None)  # up makes its own CA
+    env.pop("INFINITE_LLM_TLS_DIR", None)
+    env.pop("INFINITE_LLM_API_KEY", None)
+    if api_key is not None:
+        env["INFINITE_LLM_API_KEY"] = api_key
     return env
 
 
@@ -38,22 +47,27 @@ def _wait_for_tls_dir(proc: subprocess.Popen, log: Path, timeout_s: float = 240)
     raise AssertionError(f"up printed no --tls-dir:\n{log.read_text()}")
 
 
-def start_up(log: Path) -> tuple[subprocess.Popen, tuple[int, int, int]]:
-    """``infinite-llm up`` with one attention server, its output in ``log``: the process and its router,
-    manager and gateway ports."""
+def start_up(log: Path, api_key: str | None = None) -> tuple[subprocess.Popen, tuple[int, int, int]]:
+    """``infinite-llm up`` with one attention server (``INFINITE_LLM_API_KEY=api_key`` if given), its output in
+    ``log``: the process and its router, manager and gateway ports."""
     router, manager, gateway = free_port(), free_port(), free_port()
     args = ["up", "--attention-servers", "1", "--kv-memory", str(BLOCKS_PER_SERVER * BYTES_PER_BLOCK)]
     args += ["--port", str(router), "--manager-port", str(manager), "--gateway-port", str(gateway)]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=_env(api_key))
     return proc, (router, manager, gateway)
 
 
 def test_up_makes_a_ca_and_prints_the_tls_dir_clients_need(default_model_path, tmp_path):
+    """Started with ``INFINITE_LLM_API_KEY`` set, ``up`` also says the mesh needs it (without printing it),
+    and a client without it is refused by the router and the gateway."""
     log = tmp_path / "up.out"
-    proc, (router, manager, _) = start_up(log)
+    proc, (router, manager, gateway) = start_up(log, api_key=API_KEY)
     try:
         tls_dir = _wait_for_tls_dir(proc, log)
+        banner = log.read_text(errors="replace")
+        assert "API key required (INFINITE_LLM_API_KEY is set): the OpenAI API and the router take" in banner
+        assert API_KEY not in banner
         assert {p.name for p in tls_dir.iterdir()} >= {"ca.pem", "client.pem", "client-key.pem"}
         assert (tls_dir / "client-key.pem").stat().st_mode & 0o077 == 0
         status = subprocess.run(
@@ -64,9 +78,19 @@ def test_up_makes_a_ca_and_prints_the_tls_dir_clients_need(default_model_path, t
         generate = subprocess.run(
             [*CLI, "generate", "--prompt", "The capital of France is", "--max-tokens", "4"]
             + ["--router", f"127.0.0.1:{router}", "--tls-dir", str(tls_dir)],
-            capture_output=True, text=True, timeout=300, env=_env(),
+            capture_output=True, text=True, timeout=300, env=_env(API_KEY),
         )  # fmt: skip
         assert generate.returncode == 0 and generate.stdout.strip(), generate.stderr
+        keyless = subprocess.run(
+            [*CLI, "generate", "--prompt", "The capital of France is", "--max-tokens", "4"]
+            + ["--router", f"127.0.0.1:{router}", "--tls-dir", str(tls_dir)],
+            capture_output=True, text=True, timeout=300, env=_env(),
+        )  # fmt: skip
+        assert keyless.returncode == 1 and keyless.stderr.startswith("error:"), keyless.stderr
+        assert keyless.stdout.strip() == ""
+        with httpx.Client(base_url=f"http://127.0.0.1:{gateway}", trust_env=False, timeout=30) as http:
+            assert http.get("/v1/models").status_code == 401
+            assert http.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
         no_tls = subprocess.run(
             [*CLI, "status", "--manager", f"127.0.0.1:{manager}"],
             capture_output=True,
