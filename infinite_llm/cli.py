@@ -127,7 +127,7 @@ def generate(
         served = resolved.name if model is not None else None
         _generate_via_router(router, text, chat, resolved, served, max_tokens, sampling, tls, api_key)
         return
-    from infinite_llm.cli_mesh import device_option, torch_dtype
+    from infinite_llm.cli_options import device_option, torch_dtype
 
     engine_dtype = torch_dtype(dtype)  # BadParameter before the model loads
     engine_device = device_option(device)

@@ -61,7 +61,7 @@ def test_bad_etcd_tls_flags_of_the_manager_exit_2_before_dialling(args, message)
 
 
 def test_the_gateways_choice_cap_defaults_to_the_gateways_own():
-    from infinite_llm.cli_mesh import serve_gateway
+    from infinite_llm.cli_serve import serve_gateway
     from infinite_llm.services.gateway.params import MAX_CHOICES_PER_REQUEST
 
     default = next(
@@ -73,18 +73,18 @@ def test_the_gateways_choice_cap_defaults_to_the_gateways_own():
 def test_tables_are_not_cut_to_80_columns_when_stdout_is_not_a_terminal(monkeypatch):
     from rich.table import Table
 
-    from infinite_llm.cli_mesh import _stdout
+    from infinite_llm.cli_options import stdout_console
 
     monkeypatch.delenv("COLUMNS", raising=False)  # pytest captures stdout: not a terminal
     table = Table()
     table.add_column("log")
     table.add_row("/tmp/infinite-llm-mesh-0qu2z9m3/" + "x" * 100 + ".log")
-    console = _stdout()
+    console = stdout_console()
     with console.capture() as captured:
         console.print(table)
     assert "x" * 100 + ".log" in captured.get()  # whole: a log path one can open
     monkeypatch.setenv("COLUMNS", "100")
-    assert _stdout().width == 100  # COLUMNS still decides
+    assert stdout_console().width == 100  # COLUMNS still decides
 
 
 @pytest.mark.parametrize("flag", ["--gateway-port", "--port", "--manager-port"])
