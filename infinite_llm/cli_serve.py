@@ -8,6 +8,7 @@ when its command runs.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from typing import Annotated
 
@@ -296,9 +297,9 @@ def serve_router(
     api_key: Annotated[
         list[str] | None,
         typer.Option(
-            envvar="INFINITE_LLM_API_KEY",
             help="Require metadata 'authorization: Bearer <key>' with one of these keys (repeatable; "
-            "default: none). The gateway is exempt: it checks its own callers' keys.",
+            "default: INFINITE_LLM_API_KEY, one key, if set; else none). The gateway is exempt: it checks its "
+            "own callers' keys.",
             rich_help_panel="Security",
         ),
     ] = None,
@@ -320,7 +321,7 @@ def serve_router(
             metrics_port=metrics_port,
             manager_address=manager,
             discovery_interval_s=discovery_interval,
-            api_keys=tuple(api_key or ()),
+            api_keys=tuple(api_key or ()) or _env_api_keys(),
             shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:
@@ -386,3 +387,9 @@ def serve_gateway(
         raise typer.BadParameter(str(e)) from None
     setup_tls("gateway", tls_dir, insecure)
     asyncio.run(serve(config))
+
+
+def _env_api_keys() -> tuple[str, ...]:
+    """``INFINITE_LLM_API_KEY`` as one key (click would split a repeatable option's variable at whitespace)."""
+    key = os.environ.get("INFINITE_LLM_API_KEY", "")
+    return (key,) if key else ()

@@ -127,3 +127,39 @@ def test_up_refuses_one_port_given_to_two_flags(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert f"Invalid value for --gateway-port: port {port} is also given to --port" in proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize(
+    "role,args,env_key",
+    [
+        ("router", ["--api-key", "two words"], None),
+        ("router", [], "two words"),  # click would have split it into the keys 'two' and 'words'
+        ("router", ["--api-key", "good-key", "--api-key", "a,b"], None),
+        ("gateway", ["--api-key", "two words"], None),
+        ("gateway", [], "tab\tkey"),
+    ],
+)
+def test_an_api_key_that_is_not_one_bearer_token_exits_2_without_echoing_it(role, args, env_key):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("INFINITE_LLM_API_KEY", None)
+    if env_key is not None:
+        env["INFINITE_LLM_API_KEY"] = env_key
+    extra = ["--manager", "127.0.0.1:1"] if role == "router" else []
+    proc = subprocess.run([*CLI, "serve", role, *extra, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    flat = " ".join(proc.stderr.replace("│", " ").split())
+    assert "an API key must be one RFC 6750 bearer token" in flat, proc.stderr
+    assert "words" not in proc.stderr and "tab" not in proc.stderr  # the key itself is never printed
+
+
+def test_bearer_tokens_pass_the_key_check_and_the_rest_do_not():
+    from infinite_llm.rpc.interceptors.api_key import ApiKeyInterceptor, check_api_key
+
+    for key in ("s3cret", "up-test-key-7f3a", "sk-Ab.C_d~e+f/g==", "x"):
+        assert check_api_key(key) == key
+    for key in ("", "a b", "a,b", "a\nb", "=abc", "ab=c", "ключ"):
+        with pytest.raises(ValueError, match="--api-key: an API key must be one RFC 6750 bearer token"):
+            check_api_key(key)
+    assert ApiKeyInterceptor(["k1", "", "k2"]).api_keys == [b"k1", b"k2"]
+    with pytest.raises(ValueError):
+        ApiKeyInterceptor(["k1", "k 2"])

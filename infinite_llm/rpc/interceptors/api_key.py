@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import secrets
 from collections.abc import AsyncIterator, Sequence
 
@@ -22,6 +23,20 @@ from infinite_llm.rpc.tls import peer_of
 
 AUTHORIZATION_KEY = "authorization"
 EXEMPT_ROLES = frozenset({"gateway"})
+_TOKEN68 = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750 section 2.1: what a Bearer token may be
+
+
+def check_api_key(key: str, flag: str = "--api-key") -> str:
+    """``key`` if it can travel as ``Authorization: Bearer <key>`` (RFC 6750 ``b64token``: letters, digits,
+    ``-._~+/``, then ``=`` padding); else ``ValueError`` naming ``flag`` (never the key itself). A key with a
+    space or a comma used to be split into several shorter keys (the router) or to be one no client could send
+    in the header's grammar (the gateway)."""
+    if not _TOKEN68.fullmatch(key):
+        raise ValueError(
+            f"{flag}: an API key must be one RFC 6750 bearer token (letters, digits, '-._~+/' and trailing '='; "
+            f"no spaces or commas); got one of {len(key)} characters that is not"
+        )
+    return key
 
 
 def bearer_token(context: grpc.aio.ServicerContext) -> str | None:
@@ -45,7 +60,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Requires one of ``api_keys`` (none given: admits every call)."""
 
     def __init__(self, api_keys: Sequence[str]) -> None:
-        self.api_keys = [k.encode() for k in api_keys if k]
+        self.api_keys = [check_api_key(k).encode() for k in api_keys if k]
 
     def _check(self, context: grpc.aio.ServicerContext) -> None:
         if peer_of(context).role in EXEMPT_ROLES:

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
+from infinite_llm.rpc.interceptors.api_key import check_api_key
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
 from infinite_llm.services.gateway.params import MAX_CHOICES_PER_REQUEST
@@ -56,6 +57,8 @@ class GatewayConfig:
             raise ValueError(f"--max-choices-per-request must be >= 1, got {self.max_choices_per_request}")
         if self.api_key == "":
             object.__setattr__(self, "api_key", None)
+        if self.api_key is not None:
+            check_api_key(self.api_key)
 
 
 def build_app(config: GatewayConfig) -> FastAPI:

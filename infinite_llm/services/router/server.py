@@ -17,7 +17,7 @@ from infinite_llm.observability.metrics import RouterMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import router_pb2, router_pb2_grpc
 from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
-from infinite_llm.rpc.interceptors.api_key import ApiKeyInterceptor
+from infinite_llm.rpc.interceptors.api_key import ApiKeyInterceptor, check_api_key
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.router.discovery import DEFAULT_INTERVAL_S, ComputeDiscovery
@@ -47,6 +47,8 @@ class RouterConfig:
             raise ValueError("router needs --manager HOST:PORT (discovery) or --compute HOST:PORT (repeatable)")
         if self.discovery_interval_s <= 0:
             raise ValueError(f"discovery interval must be > 0 s, got {self.discovery_interval_s}")
+        for key in self.api_keys:
+            check_api_key(key)
 
 
 def build_servicer(config: RouterConfig, metrics: RouterMetrics | None = None) -> RouterServicer:
