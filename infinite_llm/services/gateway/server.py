@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from infinite_llm.observability.tracing import setup_tracing
-from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.interceptors.api_key import check_api_key
+from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
 from infinite_llm.services.gateway.params import MAX_CHOICES_PER_REQUEST
