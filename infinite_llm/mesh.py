@@ -11,6 +11,13 @@ instance ``compute-(i mod M)``. ``stop`` sends SIGTERM (graceful drain), then SI
 it removes the run directory ``log_dir``, or, when something failed (``keep_logs``), keeps only the logs in
 it. On Linux every service and etcd also get SIGTERM when the launching process dies (``parent_death``).
 
+One machine hosts every process, so they share its cores. Every service but the compute instances runs at
+CPU niceness ``service_nice`` (``nice(1)``; default 10; etcd keeps this process's) and with one OpenMP
+thread: a compute instance's dense layers are OpenMP regions over every core, and each region waits for its
+slowest thread, so a region whose second thread is queued behind an attention server's or the router's
+Python stalls for a scheduler time slice. The other services mostly run while the compute instance waits
+for them, so they lose little.
+
 mTLS is on unless ``insecure``: ``start`` writes a cluster CA and one certificate per role into
 ``<log_dir>/tls`` (or uses ``tls_dir``, default ``$INFINITE_LLM_TLS_DIR``, holding every role's files) and
 starts each service with ``--tls-dir``; :meth:`LocalMesh.tls` gives a role's identity to callers. etcd gets
@@ -47,6 +54,7 @@ from infinite_llm.state.etcd_launcher import EtcdProcess, EtcdTls, free_port, st
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 RESTARTED_ROLES = ("manager", "compute", "router", "gateway")  # Deployments in Kubernetes: restarted on a crash
+SERVICE_NICE = 10  # CPU niceness of every local service but the compute instances (module docstring)
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,13 @@ class MeshConfig:
     insecure: bool = False  # plaintext gRPC everywhere (local experiments)
     shutdown_grace_s: float = SHUTDOWN_GRACE_S  # each service's --shutdown-grace (seconds)
     prefix_caching: bool = True  # compute instances share prompt prefixes' rBlocks (--no-prefix-caching: off)
+    service_nice: int = SERVICE_NICE  # CPU niceness of every service but compute instances (0: as this process)
 
     def __post_init__(self) -> None:
         if self.attention_servers < 1 or self.compute_instances < 1:
             raise ValueError("a mesh needs at least one attention server and one compute instance")
+        if not 0 <= self.service_nice <= 19:
+            raise ValueError(f"service_nice must be in [0, 19], got {self.service_nice}")
 
 
 @dataclass
@@ -255,7 +266,7 @@ class LocalMesh:
         Kubernetes Deployment restarts a crashed pod. Returns ``proc``, now alive."""
         if proc.alive():
             raise ValueError(f"{proc.name} is still running")
-        proc.popen = _popen(proc.popen.args, proc.log_path, proc.role, append=True)
+        proc.popen = _popen(proc.popen.args, proc.log_path, proc.role, self.config.service_nice, append=True)
         return proc
 
     def restart_crashed(self, max_restarts: int = 5) -> list[Proc]:
@@ -289,7 +300,8 @@ class LocalMesh:
             metrics_port = free_port()
             cmd += ["--metrics-port", str(metrics_port)]
             metrics_address = f"{HOST}:{metrics_port}"
-        proc = Proc(role, name, f"{HOST}:{port}", _popen(cmd, log_path, role), log_path, metrics_address)
+        popen = _popen(cmd, log_path, role, self.config.service_nice)
+        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address)
         self.procs.append(proc)
         return proc
 
@@ -319,7 +331,7 @@ class LocalMesh:
         port, metrics_port = free_port(), free_port()
         args[args.index("--port") + 1] = str(port)
         args[args.index("--metrics-port") + 1] = str(metrics_port)
-        proc.popen = _popen(args, proc.log_path, proc.role, append=True)
+        proc.popen = _popen(args, proc.log_path, proc.role, self.config.service_nice, append=True)
         proc.address, proc.metrics_address = f"{HOST}:{port}", f"{HOST}:{metrics_port}"
         log.warning("%s: its port was taken before it bound; started again on %s", proc.name, proc.address)
         return True
@@ -385,18 +397,32 @@ class LocalMesh:
         self.stop()
 
 
-def _popen(cmd: list[str], log_path: Path, role: str, append: bool = False) -> subprocess.Popen:
+def _popen(cmd: list[str], log_path: Path, role: str, nice: int = 0, append: bool = False) -> subprocess.Popen:
     """Start a service with its output in ``log_path``; on Linux it gets SIGTERM if this process dies
     (killed outright, it cannot stop the mesh: see ``parent_death``). ``cmd`` may be an earlier start's
-    ``popen.args`` (a restart): its ``parent_death`` prefix is made anew."""
+    ``popen.args`` (a restart): its prefixes are made anew."""
     with open(log_path, "ab" if append else "wb") as out:
         return subprocess.Popen(
-            dying_with_parent(unwrapped(cmd)),
+            dying_with_parent(_niced(_bare(cmd), role, nice)),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=_env(role),
         )
+
+
+def _niced(cmd: list[str], role: str, nice: int) -> list[str]:
+    """``cmd`` run at CPU niceness ``nice`` through ``nice(1)``; compute instances, ``nice == 0`` and a machine
+    without ``nice`` get ``cmd`` as is."""
+    if role == "compute" or nice == 0 or shutil.which("nice") is None:
+        return cmd
+    return ["nice", "-n", str(nice), *cmd]
+
+
+def _bare(cmd: list[str]) -> list[str]:
+    """``cmd`` without the prefixes :func:`_popen` gave it."""
+    cmd = unwrapped(cmd)
+    return cmd[3:] if cmd[:2] == ["nice", "-n"] else cmd
 
 
 def _env(role: str) -> dict[str, str]:

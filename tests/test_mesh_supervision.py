@@ -4,14 +4,15 @@ it. Real processes (``sleep`` stands in for a service: only the process lifecycl
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import time
 
 import pytest
 
 from infinite_llm.core.errors import Unavailable
-from infinite_llm.mesh import LocalMesh, MeshConfig, Proc
-from infinite_llm.parent_death import unwrapped
+from infinite_llm.mesh import SERVICE_NICE, LocalMesh, MeshConfig, Proc, _bare
 
 
 def _proc(mesh: LocalMesh, role: str, name: str) -> Proc:
@@ -42,9 +43,22 @@ def test_crashed_services_but_attention_servers_are_started_again_with_their_com
     old_pids = {role: p.popen.pid for role, p in procs.items()}
     restarted = mesh.restart_crashed()
     assert sorted(p.name for p in restarted) == ["compute", "gateway", "manager", "router"]
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
     for p in restarted:
-        assert p.alive() and p.popen.pid != old_pids[p.role] and unwrapped(p.popen.args) == ["sleep", "60"]
+        assert p.alive() and p.popen.pid != old_pids[p.role] and _bare(p.popen.args) == ["sleep", "60"]
+        # compute instances keep this process's CPU niceness; every other service runs SERVICE_NICE above it
+        want = ours if p.role == "compute" else min(ours + SERVICE_NICE, 19)
+        assert _niceness_once_running(p.popen.pid, "sleep") == want, p.role
     assert not procs["attention"].alive()
+
+
+def _niceness_once_running(pid: int, comm: str) -> int:
+    """The niceness of ``pid`` once it has exec'd ``comm`` (the launch wrappers exec it in turn)."""
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/comm").read().strip() != comm:
+        assert time.monotonic() < deadline, f"{pid} never ran {comm}"
+        time.sleep(0.01)
+    return os.getpriority(os.PRIO_PROCESS, pid)
 
 
 def test_a_crash_loop_stops_the_supervision(mesh):
