@@ -21,7 +21,7 @@ from engine_throughput import decode_step_seconds, prompts  # same workload and 
 from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import EngineConfig, LLMEngine
-from infinite_llm.mesh import LocalMesh, MeshConfig
+from infinite_llm.mesh import SERVICE_NICE, LocalMesh, MeshConfig
 from infinite_llm.models.registry import load_model_files, resolve_model
 from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
@@ -52,7 +52,9 @@ def compute_stats(address: str, tls) -> cpb.ComputeStatsResponse:  # noqa: ANN00
         return cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=10)
 
 
-def measure_mesh(transport: str, batches: list[int], tokenizer, new_tokens: int) -> dict[int, tuple[float, float]]:  # noqa: ANN001
+def measure_mesh(  # noqa: ANN001
+    transport: str, batches: list[int], tokenizer, new_tokens: int, service_nice: int = SERVICE_NICE
+) -> dict[int, tuple[float, float]]:
     """``{batch: (ms per decode step, ms per layer fan-out)}`` through a fresh mesh using ``transport``."""
     config = MeshConfig(
         attention_servers=3,
@@ -61,6 +63,7 @@ def measure_mesh(transport: str, batches: list[int], tokenizer, new_tokens: int)
         router_port=free_port(),
         transport=transport,
         prefix_caching=False,  # the runs repeat their prompts: each side prefills them in full, as HF would
+        service_nice=service_nice,
     )
     out = {}
     with LocalMesh(config) as mesh, Client(mesh.router_address, tls=mesh.tls("client")) as client:
@@ -82,6 +85,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument(
+        "--service-nice", type=int, default=SERVICE_NICE, help="niceness of the mesh's services but compute (0: off)"
+    )
     a = ap.parse_args()
     cfg, state_dict, tokenizer = load_model_files(resolve_model(None), torch.float32)
     engine = LLMEngine.from_weights(
@@ -92,11 +98,12 @@ def main() -> None:
         return step_ms(lambda i, n: local_seconds(engine, i, n), prompts(tokenizer, b), a.new_tokens)
 
     local = {b: local_ms(b) for b in a.batches}
-    mesh = {t: measure_mesh(t, a.batches, tokenizer, a.new_tokens) for t in ("grpc", "torch")}
+    mesh = {t: measure_mesh(t, a.batches, tokenizer, a.new_tokens, a.service_nice) for t in ("grpc", "torch")}
     local = {b: min(local[b], local_ms(b)) for b in a.batches}  # best of before and after: other load drifts
     print(
         f"model {resolve_model(None).name}, fp32, {cfg.num_hidden_layers} layers, {a.new_tokens} new tokens; "
-        f"mesh: 1 compute + 3 attention servers on loopback; local: 3 partitions in one process"
+        f"mesh: 1 compute + 3 attention servers on loopback, the others at nice {a.service_nice}; "
+        "local: 3 partitions in one process"
     )
     print(
         f"{'batch':>5s} {'local ms/step':>14s} {'grpc ms/step':>13s} {'torch ms/step':>14s} {'grpc/local':>11s} "
