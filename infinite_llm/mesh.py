@@ -11,12 +11,13 @@ instance ``compute-(i mod M)``. ``stop`` sends SIGTERM (graceful drain), then SI
 it removes the run directory ``log_dir``, or, when something failed (``keep_logs``), keeps only the logs in
 it. On Linux every service and etcd also get SIGTERM when the launching process dies (``parent_death``).
 
-One machine hosts every process, so they share its cores. Every service but the compute instances runs at
-CPU niceness ``service_nice`` (``nice(1)``; default 10; etcd keeps this process's) and with one OpenMP
-thread: a compute instance's dense layers are OpenMP regions over every core, and each region waits for its
-slowest thread, so a region whose second thread is queued behind an attention server's or the router's
-Python stalls for a scheduler time slice. The other services mostly run while the compute instance waits
-for them, so they lose little.
+One machine hosts every process, so they share its cores: every service but the compute instances runs with
+one OpenMP thread, and ``service_nice`` (default 0: off) runs them at that CPU niceness (``nice(1)``; etcd
+keeps this process's). Why one might: a compute instance's dense layers are OpenMP regions over every core,
+each ending with its slowest thread, and a thread queued behind a busy neighbour stalls the region
+(``benchmarks/neighbour_nice.py``: 3.5x on 2 cores). In the mesh the other services mostly run while the
+compute instance waits for them, and on 2 cores niceness 10 measured no steadier gain than the machine's
+noise (``benchmarks/mesh_overhead.py --service-nice``), so it is not the default.
 
 mTLS is on unless ``insecure``: ``start`` writes a cluster CA and one certificate per role into
 ``<log_dir>/tls`` (or uses ``tls_dir``, default ``$INFINITE_LLM_TLS_DIR``, holding every role's files) and
@@ -54,7 +55,7 @@ from infinite_llm.state.etcd_launcher import EtcdProcess, EtcdTls, free_port, st
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 RESTARTED_ROLES = ("manager", "compute", "router", "gateway")  # Deployments in Kubernetes: restarted on a crash
-SERVICE_NICE = 10  # CPU niceness of every local service but the compute instances (module docstring)
+SERVICE_NICE = 0  # CPU niceness of every local service but the compute instances (module docstring)
 
 
 @dataclass(frozen=True)

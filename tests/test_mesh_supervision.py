@@ -12,7 +12,9 @@ import time
 import pytest
 
 from infinite_llm.core.errors import Unavailable
-from infinite_llm.mesh import SERVICE_NICE, LocalMesh, MeshConfig, Proc, _bare
+from infinite_llm.mesh import LocalMesh, MeshConfig, Proc, _bare
+
+NICE = 10
 
 
 def _proc(mesh: LocalMesh, role: str, name: str) -> Proc:
@@ -26,7 +28,7 @@ def _proc(mesh: LocalMesh, role: str, name: str) -> Proc:
 
 @pytest.fixture
 def mesh():
-    m = LocalMesh(MeshConfig(insecure=True))
+    m = LocalMesh(MeshConfig(insecure=True, service_nice=NICE))
     yield m
     for p in m.procs:
         p.popen.kill()
@@ -46,8 +48,8 @@ def test_crashed_services_but_attention_servers_are_started_again_with_their_com
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     for p in restarted:
         assert p.alive() and p.popen.pid != old_pids[p.role] and _bare(p.popen.args) == ["sleep", "60"]
-        # compute instances keep this process's CPU niceness; every other service runs SERVICE_NICE above it
-        want = ours if p.role == "compute" else min(ours + SERVICE_NICE, 19)
+        # compute instances keep this process's CPU niceness; every other service runs service_nice above it
+        want = ours if p.role == "compute" else min(ours + NICE, 19)
         assert _niceness_once_running(p.popen.pid, "sleep") == want, p.role
     assert not procs["attention"].alive()
 
