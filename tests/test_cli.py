@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from infinite_llm.core.sampling import SamplingParams
+from tests.interrupt import interrupt, reaped
 
 CLI = [sys.executable, "-m", "infinite_llm.cli"]
 
@@ -77,17 +76,10 @@ def test_sigint_while_generating_locally_stops_at_once_and_exits_130():
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
-    try:
+    with reaped(proc):
         first = proc.stdout.read1(4096)  # the first text: the model is loaded and generating
         assert first and proc.poll() is None
-        proc.send_signal(signal.SIGINT)
-        start = time.monotonic()
-        returncode = proc.wait(timeout=30)
-        took = time.monotonic() - start
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        returncode, took = interrupt(proc)
     stderr = proc.stderr.read().decode()
     assert returncode == 130 and took < 5.0, (returncode, took, stderr)
     assert stderr.strip().splitlines()[-1] == "interrupted: the request was cancelled"

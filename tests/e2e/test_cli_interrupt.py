@@ -5,13 +5,12 @@ line on stderr and exits 130 (128 + SIGINT)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 
 from tests.e2e.conftest import server_stats, wait_until
+from tests.interrupt import interrupt, reaped
 
 CLI = [sys.executable, "-m", "infinite_llm.cli"]
 PROMPT = "Count from 1 to 500, one number per line:"  # the model writes numbers until max_tokens
@@ -38,17 +37,10 @@ def test_sigint_cancels_the_stream_at_once_frees_its_rblocks_and_exits_130(mesh)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     stdout, stderr = bytearray(), bytearray()
     readers = [_read_into(proc.stdout, stdout), _read_into(proc.stderr, stderr)]
-    try:
+    with reaped(proc):
         assert wait_until(lambda: len(stdout) >= 8, timeout_s=120), bytes(stderr).decode()
         assert proc.poll() is None and _used_blocks(mesh) > baseline  # streaming, its KV on the servers
-        proc.send_signal(signal.SIGINT)
-        start = time.monotonic()
-        returncode = proc.wait(timeout=30)
-        took = time.monotonic() - start
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        returncode, took = interrupt(proc)
     for reader in readers:
         reader.join(10)
     assert returncode == 130, bytes(stderr).decode()
