@@ -26,6 +26,8 @@ def grammar_of(json_schema: str) -> str:
         schema = json.loads(json_schema)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param="json_schema") from None
+    except RecursionError:  # nested past Python's recursion limit (llguidance refuses far less depth anyway)
+        raise InvalidRequest("the JSON schema nests too deeply to be enforced", param="json_schema") from None
     if not isinstance(schema, dict | bool):
         raise InvalidRequest("a JSON schema is an object (or true/false)", param="json_schema")
     try:

@@ -91,3 +91,13 @@ def test_unresolvable_refs_and_unsupported_keywords_are_invalid_requests_saying_
     assert e.value.param == "json_schema"
     assert e.value.message.startswith("the JSON schema cannot be enforced: ")
     assert problem in e.value.message
+
+
+@pytest.mark.parametrize("depth", [200, 2000, 20000])
+def test_a_deeply_nested_schema_is_an_invalid_request_not_a_recursion_error(depth):
+    """A gRPC client's json_schema is text the compute instance parses: nesting past Python's recursion limit
+    (or llguidance's, which is lower) is a refusal naming json_schema, at any depth."""
+    schema = '{"type":"object","required":["a"],"properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
+    with pytest.raises(InvalidRequest) as e:
+        grammar_of(schema)
+    assert e.value.param == "json_schema"
