@@ -187,18 +187,7 @@ class LocalMesh:
             # The router reads the manager's list when it starts: let the instances load and register first.
             self._wait_healthy(self.compute_instances())
             self.wait_compute_registered(c.compute_instances)
-            router = self._spawn(
-                "router",
-                "router",
-                c.router_port,
-                [
-                    "--manager",
-                    self.manager_address,
-                    "--discovery-interval",
-                    str(c.discovery_interval_s),
-                    *self._model_args(),
-                ],
-            )
+            router = self.spawn_router("router", c.router_port)
             gateway = self._spawn(
                 "gateway", "gateway", c.gateway_port or free_port(), ["--router", router.address, *self._model_args()]
             )
@@ -210,6 +199,12 @@ class LocalMesh:
             self.stop()
             raise
         return self
+
+    def spawn_router(self, name: str, port: int = 0, shutdown_grace_s: float | None = None) -> Proc:
+        """Start a router (``port`` 0: a free one) that follows the manager's compute instances; the first is the
+        mesh's (:attr:`router_address`), tests start more (``shutdown_grace_s``: its own ``--shutdown-grace``)."""
+        args = ["--manager", self.manager_address, "--discovery-interval", str(self.config.discovery_interval_s)]
+        return self._spawn("router", name, port or free_port(), [*args, *self._model_args()], shutdown_grace_s)
 
     def spawn_attention(self, name: str) -> Proc:
         """Start one more attention server (also used by tests that add or kill servers)."""
@@ -289,13 +284,14 @@ class LocalMesh:
     def _model_args(self) -> list[str]:
         return ["--model", self.config.model] if self.config.model else []
 
-    def _spawn(self, role: str, name: str, port: int, args: list[str]) -> Proc:
+    def _spawn(self, role: str, name: str, port: int, args: list[str], shutdown_grace_s: float | None = None) -> Proc:
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "infinite_llm.cli", "serve", role, "--host", HOST, "--port", str(port), *args]
         cmd += ["--insecure"] if self.tls_dir is None else ["--tls-dir", str(self.tls_dir)]
         if role == "compute":
             cmd += ["--instance-id", name]
-        cmd += ["--shutdown-grace", str(self.config.shutdown_grace_s)]
+        grace = self.config.shutdown_grace_s if shutdown_grace_s is None else shutdown_grace_s
+        cmd += ["--shutdown-grace", str(grace)]
         metrics_address = f"{HOST}:{port}"  # the gateway serves /metrics on its own HTTP port
         if role != "gateway":
             metrics_port = free_port()

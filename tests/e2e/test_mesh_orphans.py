@@ -182,12 +182,47 @@ def test_attention_server_paused_past_its_lease_is_fenced_and_rejoins_empty(faul
     print(f"attention SIGSTOP {3 * TTL_S} s: no orphans {seconds_to_clean(mesh, 4 * TTL_S):.1f} s after the streams")
 
 
+def test_a_stopping_router_whose_grace_runs_out_ends_its_streams_with_unavailable_and_frees_them(fault_mesh):
+    """A stream longer than the router's --shutdown-grace (2 s) ends, just before the grace is out, with
+    UNAVAILABLE saying the router is shutting down (it was gRPC's bare CANCELLED "Cancelling all calls"); the
+    compute instance aborts the request and every rBlock is free again."""
+    mesh = fault_mesh
+    router = mesh.spawn_router("router-grace", shutdown_grace_s=2.0)
+    assert wait_until(lambda: health_check(router.address, tls=mesh.tls("client")), 60)
+    tokens: list[int] = []
+    ended: list[BaseException | None] = []
+
+    def stream() -> None:
+        try:
+            with Client(router.address) as client:
+                for chunk in client.stream(PROMPTS[0], max_tokens=300, timeout=240, **GREEDY):
+                    tokens.extend(chunk.token_ids)
+            ended.append(None)
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            ended.append(e)
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert wait_until(lambda: len(tokens) >= 2 or ended, 120), ended
+    router.popen.terminate()
+    stopping_at = time.monotonic()
+    thread.join(30)
+    took = time.monotonic() - stopping_at
+    assert not thread.is_alive(), "the stream outlived its router"
+    assert len(ended) == 1 and isinstance(ended[0], Unavailable), ended
+    assert "the router is shutting down" in str(ended[0]), ended[0]
+    assert 0.5 < took < 2.0 + 5.0, took  # ended by the router near the end of its grace, not at once or late
+    assert router.popen.wait(timeout=30) == 0
+    mesh.procs.remove(router)  # the mesh's own router stays the one other tests stop
+    assert wait_until(lambda: no_orphans(mesh), 60), (ledger(mesh), "rBlocks or ledger entries leaked")
+
+
 def test_sigterm_to_the_router_refuses_new_requests_and_lets_streams_in_flight_finish(fault_mesh):
     mesh = fault_mesh
     ref = references(mesh, max_tokens=32)
     streams = Streams(mesh, PROMPTS, max_tokens=32)
     streams.wait_tokens(2)
-    (router,) = [p for p in mesh.procs if p.role == "router"]
+    router = next(p for p in mesh.procs if p.name == "router")
     router.popen.terminate()
     stopping_at = time.monotonic()
     assert wait_until(lambda: not health_check(router.address, tls=mesh.tls("client")), 5)

@@ -24,6 +24,8 @@ from infinite_llm.services.router.discovery import DEFAULT_INTERVAL_S, ComputeDi
 from infinite_llm.services.router.servicer import RouterServicer
 
 log = logging.getLogger(__name__)
+END_MARGIN_S = 1.0  # a stopping router ends its streams itself this long before its grace runs out (seconds)
+SHUTTING_DOWN = "the router is shutting down; send the request again (another router replica takes it)"
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,12 @@ async def serve(config: RouterConfig) -> None:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("router stopping: new requests refused, %d s for those in flight", config.shutdown_grace_s)
-    await server.stop(config.shutdown_grace_s)
+    stopping = asyncio.ensure_future(server.stop(config.shutdown_grace_s))
+    try:  # the streams still running when the grace is nearly out are ended here, with a reason
+        await asyncio.wait_for(asyncio.shield(stopping), max(config.shutdown_grace_s - END_MARGIN_S, 0.0))
+    except TimeoutError:
+        ended = servicer.end_in_flight(SHUTTING_DOWN)
+        log.warning("router stopping: the grace ran out; %d streams in flight ended with UNAVAILABLE", ended)
+        await stopping
     if discovery is not None:
         await discovery.stop()

@@ -10,7 +10,9 @@ cancels the compute call, which aborts the request and frees its rBlocks. A comp
 unreachable before any token was sent (it died, or its queue is full) is skipped for the next one, under a
 fresh downstream request id (the dead one's rBlocks and ledger entry stay its own until the manager reclaims
 them; the caller still sees its id); after that the stream fails with UNAVAILABLE (nothing hangs). A request
-id already in flight here is refused.
+id already in flight here is refused. A stopping router whose grace runs out ends the streams still in flight
+itself (:meth:`RouterServicer.end_in_flight`): UNAVAILABLE with the reason, and their compute calls cancelled,
+rather than gRPC's bare CANCELLED "Cancelling all calls".
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class RouterServicer(rgrpc.RouterServicer):
         self.tokenizer = tokenizer
         # request id -> (its instance, its tenant, the id it has there)
         self._owner: dict[str, tuple[_Instance, str, str]] = {}
+        self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}  # request id -> its call to the compute instance
+        self._ending = ""  # why every stream in flight is being ended ('' while serving)
         self.metrics = metrics or RouterMetrics(CollectorRegistry())
 
     # ---- compute instances --------------------------------------------------------------------------
@@ -169,6 +173,7 @@ class RouterServicer(rgrpc.RouterServicer):
             inst.in_flight += 1
             self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
             self._owner[rid] = (inst, tenant_of(context), request.request_id)
+            self._calls[rid] = call
             sent = False
             try:
                 async for msg in call:
@@ -176,7 +181,11 @@ class RouterServicer(rgrpc.RouterServicer):
                     msg.request_id = rid
                     yield msg
                 return
-            except grpc.RpcError as e:
+            except (grpc.RpcError, asyncio.CancelledError) as e:
+                if self._ending and call.cancelled():  # end_in_flight cancelled it
+                    raise Unavailable(self._ending) from None
+                if isinstance(e, asyncio.CancelledError):
+                    raise
                 # Before any token, an instance that is gone or whose queue is full is skipped for the next;
                 # when every one was, the caller gets the last refusal (UNAVAILABLE, or RESOURCE_EXHAUSTED).
                 error = error_from_rpc(e)
@@ -189,7 +198,17 @@ class RouterServicer(rgrpc.RouterServicer):
                 inst.in_flight -= 1
                 self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
                 self._owner.pop(rid, None)
+                self._calls.pop(rid, None)
                 self._close_if_idle(inst)
+
+    def end_in_flight(self, reason: str) -> int:
+        """End every generation in flight with UNAVAILABLE ``reason`` (a stopping router whose grace ran out):
+        each compute call is cancelled, which aborts its request there and frees its rBlocks. Returns how many."""
+        self._ending = reason
+        calls = list(self._calls.values())
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     async def GenerateStream(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         async for msg in self._relay(request, context):
