@@ -33,9 +33,22 @@ def grammar_of(json_schema: str) -> str:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
     except ValueError as e:
-        raise InvalidRequest(f"the JSON schema cannot be enforced: {e}", param="json_schema") from None
+        raise InvalidRequest(f"the JSON schema cannot be enforced: {_explained(str(e))}", param="json_schema") from None
     is_error, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise InvalidRequest(f"the JSON schema cannot be enforced: {'; '.join(problems)}", param="json_schema")
+        problem = _explained("; ".join(problems))
+        raise InvalidRequest(f"the JSON schema cannot be enforced: {problem}", param="json_schema")
     require_finite_value(schema)
     return grammar
+
+
+def _explained(problem: str) -> str:
+    """llguidance's ``problem``, with its advice to set one of its own options (which an API caller cannot)
+    replaced by what the caller can change in the schema."""
+    if "coerce_one_of" in problem:
+        return (
+            "a oneOf whose branches can match the same value is not supported (exactly one may match, which "
+            "generation cannot check): make the branches disjoint (a const discriminator property, as pydantic's "
+            "discriminated unions have) or use anyOf"
+        )
+    return problem

@@ -80,7 +80,7 @@ def test_a_recursive_schema_with_a_way_out_compiles(schema):
         ({"not": {"type": "string"}}, 'Unimplemented keys: ["not"]'),
         ({"type": "array", "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
         ({"if": {"type": "string"}, "then": {"minLength": 1}}, 'Unimplemented keys: ["if", "then"]'),
-        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf constraints are not supported"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "a oneOf whose branches can match the same value is not supported"),
         ({"type": "string", "format": "bogus"}, "Unknown format: bogus"),
         ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum (5) is greater than maximum (1)"),
     ],
@@ -101,3 +101,13 @@ def test_a_deeply_nested_schema_is_an_invalid_request_not_a_recursion_error(dept
     with pytest.raises(InvalidRequest) as e:
         grammar_of(schema)
     assert e.value.param == "json_schema"
+
+
+def test_an_overlapping_one_of_is_refused_with_what_the_caller_can_change():
+    """llguidance's own advice names an option of its API ('coerce_one_of'); callers get the schema's fix."""
+    with pytest.raises(InvalidRequest) as e:
+        grammar_of(json.dumps({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}))
+    assert "coerce_one_of" not in str(e.value) and "disjoint" in str(e.value) and "anyOf" in str(e.value)
+    assert e.value.param == "json_schema"
+    disjoint = {"oneOf": [{"const": "a"}, {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]}
+    assert grammar_of(json.dumps(disjoint))  # disjoint branches compile
