@@ -80,6 +80,17 @@ class EngineMetrics:
             registry=registry,
             buckets=LATENCY_BUCKETS,
         )
+        # live migration's pace (services/compute/migration.py): its cost is moving / (moving + stepping)
+        self.migration_seconds = Counter(
+            P + "migration_seconds",
+            "Engine-thread time spent moving rBlocks of live migrations between steps",
+            registry=registry,
+        )
+        self.migration_step_seconds = Counter(
+            P + "migration_step_seconds",
+            "Wall time of the steps run while a live migration was moving rBlocks (its moving excluded)",
+            registry=registry,
+        )
 
         # vLLM v1's names and units: tokens looked up in the prefix cache, and of those, tokens it served
         self.prefix_cache_queries = Counter(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -87,6 +88,10 @@ class MigrationExecutor:
         dist: the instance's DistAttention (owner of the block tables).
         computed: ``seq_id -> num_computed_tokens`` of a running sequence, ``None`` when it is not running.
         tokens_per_step: the migration budget per step (tokens); ``block_size`` divides it into rBlocks.
+        on_paced: told, after each call of ``between_steps`` that worked on an order, the seconds that call spent
+            moving rBlocks and the seconds of the step(s) run since the previous such call (0 for the first):
+            their ratio is what migration costs the instance's throughput while it lasts (PAPER.md: 8.6% at
+            32 tokens per step).
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class MigrationExecutor:
         computed: Callable[[str], int | None],
         tokens_per_step: int = 16,
         timeout_s: float = 30.0,
+        on_paced: Callable[[float, float], None] | None = None,
     ) -> None:
         if tokens_per_step < 1:
             raise ValueError(f"migration tokens per step must be >= 1, got {tokens_per_step}")
@@ -106,6 +112,8 @@ class MigrationExecutor:
         self._results: list[MigrationResult] = []
         self._channels: dict[str, grpc.Channel] = {}  # address -> channel (engine thread only)
         self.migrations_total = 0
+        self._on_paced = on_paced
+        self._last_done: float | None = None  # when the previous call that worked on an order returned
 
     def offer(self, order: Order) -> None:
         with self._lock:
@@ -126,7 +134,9 @@ class MigrationExecutor:
         with self._lock:
             order = self._queue[0] if self._queue else None
         if order is None:
+            self._last_done = None
             return
+        started = time.perf_counter()
         try:
             self._advance(order)
         except grpc.RpcError as e:
@@ -136,6 +146,10 @@ class MigrationExecutor:
             order.error = repr(e)
         if order.error or order.moved == order.num_blocks:
             self._finish(order)
+        done = time.perf_counter()
+        if self._on_paced is not None:
+            self._on_paced(done - started, 0.0 if self._last_done is None else started - self._last_done)
+        self._last_done = done
 
     def _advance(self, order: Order) -> None:
         computed = self._computed(order.seq_id)

@@ -170,7 +170,12 @@ def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfi
     def computed(seq_id: str) -> int | None:
         return next((s.num_computed_tokens for s in loop.engine.scheduler.running[:] if s.seq_id == seq_id), None)
 
-    executor = MigrationExecutor(kv, computed, config.migration_tokens_per_step, config.rpc_timeout_s)
+    def paced(moving_s: float, stepping_s: float) -> None:
+        if loop.metrics is not None:
+            loop.metrics.migration_seconds.inc(moving_s)
+            loop.metrics.migration_step_seconds.inc(stepping_s)
+
+    executor = MigrationExecutor(kv, computed, config.migration_tokens_per_step, config.rpc_timeout_s, paced)
     loop.between_steps = executor.between_steps
     return executor
 

@@ -3,6 +3,8 @@ between steps (Export, Import into the manager's reservations, free on the sourc
 every step's merged attention still equals dense causal attention over all the K/V so far. A failed
 migration leaves the source serving and nothing held on the destination."""
 
+import time
+
 import pytest
 
 from infinite_llm.core.rmanager import KVLayout, SeqStep
@@ -217,3 +219,28 @@ def test_a_reattach_order_does_nothing_if_an_entry_is_no_longer_on_the_source(ma
     assert steps.dist.block_table("w") == table
     assert [_stats(pairs[s]) for s in ("A", "C")] == [(6, 2, 0), (6, 1, 1)]  # the reservation still open
     steps.step([SeqStep("w", 10, 1)])
+
+
+def test_the_executor_reports_its_pace_moving_time_against_the_steps_between(cluster):
+    """``on_paced`` gets, per call that works on an order, the seconds spent moving and the seconds since the
+    previous such call (the steps in between): the first call has no step before it, a call with no order
+    reports nothing and resets the pace."""
+    pairs, steps = cluster
+    computed = {"s": 0}
+    paced: list[tuple[float, float]] = []
+    executor = MigrationExecutor(
+        steps.dist, computed.get, 4, timeout_s=TIMEOUT, on_paced=lambda m, s: paced.append((m, s))
+    )
+    steps.step([SeqStep("s", 0, 10)])
+    computed["s"] = 10
+    executor.between_steps()  # no order yet: nothing reported
+    executor.offer(_order(1, pairs, "A", "C", _reserve(pairs["C"], "s", 2)))  # rBlocks 0 and 1, one per call
+    executor.between_steps()
+    time.sleep(0.2)  # stands for a step
+    executor.between_steps()  # moves the second and ends the order
+    executor.between_steps()  # no order: nothing
+    assert len(paced) == 2
+    (moving_1, stepping_1), (moving_2, stepping_2) = paced
+    assert stepping_1 == 0.0 and moving_1 > 0 and moving_2 > 0
+    assert 0.2 <= stepping_2 < 0.2 + 1.0
+    assert [r.num_moved for r in executor.take_results()] == [2]
