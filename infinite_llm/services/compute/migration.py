@@ -88,9 +88,9 @@ class MigrationExecutor:
         dist: the instance's DistAttention (owner of the block tables).
         computed: ``seq_id -> num_computed_tokens`` of a running sequence, ``None`` when it is not running.
         tokens_per_step: the migration budget per step (tokens); ``block_size`` divides it into rBlocks.
-        on_paced: told, after each call of ``between_steps`` that worked on an order, the seconds that call spent
-            moving rBlocks and the seconds of the step(s) run since the previous such call (0 for the first):
-            their ratio is what migration costs the instance's throughput while it lasts (PAPER.md: 8.6% at
+        on_paced: told, after each call of ``between_steps`` that moved an rBlock, the seconds that call spent
+            moving and the seconds of the step run since the previous call that worked on an order (0 for the
+            first): their ratio is what migration costs the instance's throughput while it lasts (PAPER.md: 8.6% at
             32 tokens per step).
     """
 
@@ -136,7 +136,7 @@ class MigrationExecutor:
         if order is None:
             self._last_done = None
             return
-        started = time.perf_counter()
+        started, moved = time.perf_counter(), order.moved
         try:
             self._advance(order)
         except grpc.RpcError as e:
@@ -147,7 +147,7 @@ class MigrationExecutor:
         if order.error or order.moved == order.num_blocks:
             self._finish(order)
         done = time.perf_counter()
-        if self._on_paced is not None:
+        if self._on_paced is not None and order.moved > moved:  # steps that only wait for rBlocks cost nothing
             self._on_paced(done - started, 0.0 if self._last_done is None else started - self._last_done)
         self._last_done = done
 
