@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from infinite_llm.cli_options import (
+    API_KEY_ENV,
     BlockSize,
     Device,
     Host,
@@ -337,9 +338,7 @@ def serve_gateway(
     port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
     api_key: Annotated[
         str | None,
-        typer.Option(
-            envvar="INFINITE_LLM_API_KEY", help="Require 'Authorization: Bearer <key>' on /v1 (default: none)."
-        ),
+        typer.Option(envvar=API_KEY_ENV, help="Require 'Authorization: Bearer <key>' on /v1 (default: none)."),
     ] = None,
     model: Model = None,
     special_tokens_in_messages: Annotated[
@@ -391,5 +390,5 @@ def serve_gateway(
 
 def _env_api_keys() -> tuple[str, ...]:
     """``INFINITE_LLM_API_KEY`` as one key (click would split a repeatable option's variable at whitespace)."""
-    key = os.environ.get("INFINITE_LLM_API_KEY", "")
+    key = os.environ.get(API_KEY_ENV, "")
     return (key,) if key else ()

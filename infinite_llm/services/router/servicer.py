@@ -79,9 +79,8 @@ class RouterServicer(rgrpc.RouterServicer):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        # request id -> (its instance, its tenant, the id it has there)
-        self._owner: dict[str, tuple[_Instance, str, str]] = {}
-        self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}  # request id -> its call to the compute instance
+        # request id -> (its instance, its tenant, the id it has there, the call to it)
+        self._owner: dict[str, tuple[_Instance, str, str, grpc.aio.UnaryStreamCall]] = {}
         self._ending = ""  # why every stream in flight is being ended ('' while serving)
         self.metrics = metrics or RouterMetrics(CollectorRegistry())
 
@@ -172,8 +171,7 @@ class RouterServicer(rgrpc.RouterServicer):
             call = inst.stub.Generate(request, timeout=timeout)
             inst.in_flight += 1
             self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
-            self._owner[rid] = (inst, tenant_of(context), request.request_id)
-            self._calls[rid] = call
+            self._owner[rid] = (inst, tenant_of(context), request.request_id, call)
             sent = False
             try:
                 async for msg in call:
@@ -198,14 +196,13 @@ class RouterServicer(rgrpc.RouterServicer):
                 inst.in_flight -= 1
                 self.metrics.in_flight.labels(instance=inst.address).set(inst.in_flight)
                 self._owner.pop(rid, None)
-                self._calls.pop(rid, None)
                 self._close_if_idle(inst)
 
     def end_in_flight(self, reason: str) -> int:
         """End every generation in flight with UNAVAILABLE ``reason`` (a stopping router whose grace ran out):
         each compute call is cancelled, which aborts its request there and frees its rBlocks. Returns how many."""
         self._ending = reason
-        calls = list(self._calls.values())
+        calls = [owned[3] for owned in self._owner.values()]
         for call in calls:
             call.cancel()
         return len(calls)
@@ -237,7 +234,7 @@ class RouterServicer(rgrpc.RouterServicer):
         owned = self._owner.get(request.request_id)
         if owned is None or owned[1] != tenant_of(context):
             return gpb.AbortResponse(aborted=False)
-        inst, _, downstream_id = owned
+        inst, _, downstream_id, _ = owned
         try:
             return await inst.stub.Abort(gpb.AbortRequest(request_id=downstream_id), timeout=10)
         except grpc.RpcError as e:
