@@ -80,6 +80,12 @@ class EngineMetrics:
             registry=registry,
             buckets=LATENCY_BUCKETS,
         )
+        self.step_seconds = Histogram(
+            P + "engine_step_seconds",
+            "Wall time of one engine step (the whole batch's forward and sampling; aborted steps excluded)",
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        )
         # live migration's pace (services/compute/migration.py): its cost is moving / (moving + stepping)
         self.migration_seconds = Counter(
             P + "migration_seconds",
@@ -90,6 +96,9 @@ class EngineMetrics:
             P + "migration_step_seconds",
             "Wall time of the steps run while a live migration was moving rBlocks (its moving excluded)",
             registry=registry,
+        )
+        self.migration_steps = Counter(
+            P + "migration_steps", "Steps run while a live migration was moving rBlocks", registry=registry
         )
 
         # vLLM v1's names and units: tokens looked up in the prefix cache, and of those, tokens it served

@@ -53,6 +53,8 @@ def test_metrics_of_every_service_move_by_the_expected_amounts(mesh):
     assert delta("infinite_llm:inter_token_latency_seconds_count", after_compute) == tokens - 2
     assert delta("infinite_llm:e2e_request_latency_seconds_count", after_compute) == 2
     assert delta("infinite_llm:request_queue_time_seconds_count", after_compute) == 2
+    # each request alone: one prefill step gives its first token, one decode step each further token
+    assert delta("infinite_llm:engine_step_seconds_count", after_compute) == tokens
     assert value(after_compute, "infinite_llm:num_requests_running") == 0
     rpc_calls = sum(v for (n, _), v in after_compute.items() if n == "infinite_llm:attention_rpc_latency_seconds_count")
     assert rpc_calls >= 30 * 8  # every layer of every step called at least one attention server

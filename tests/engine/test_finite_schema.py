@@ -80,7 +80,10 @@ def test_a_recursive_schema_with_a_way_out_compiles(schema):
         ({"not": {"type": "string"}}, 'Unimplemented keys: ["not"]'),
         ({"type": "array", "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
         ({"if": {"type": "string"}, "then": {"minLength": 1}}, 'Unimplemented keys: ["if", "then"]'),
-        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "a oneOf whose branches can match the same value is not supported"),
+        (
+            {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+            "a oneOf whose branches can match the same value is not supported",
+        ),
         ({"type": "string", "format": "bogus"}, "Unknown format: bogus"),
         ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum (5) is greater than maximum (1)"),
     ],

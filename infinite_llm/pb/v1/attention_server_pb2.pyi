@@ -34,12 +34,14 @@ class CommitBlocksRequest(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitBlocksResponse(_message.Message):
-    __slots__ = ("seq_id", "block_ids")
+    __slots__ = ("seq_id", "block_ids", "cached_hashes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CancelReservationRequest(_message.Message):
     __slots__ = ("reservation_id",)
@@ -168,20 +170,24 @@ class ExportBlocksRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class BlockTransferHeader(_message.Message):
-    __slots__ = ("seq_id", "block_ids", "payload", "reservation_id", "block_indices", "block_hashes")
+    __slots__ = ("seq_id", "block_ids", "payload", "reservation_id", "block_indices", "block_hashes", "stage", "reservation_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     payload: _tensor_pb2.Tensor
     reservation_id: int
     block_indices: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., reservation_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    stage: bool
+    reservation_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., payload: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., reservation_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., stage: _Optional[bool] = ..., reservation_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockTransferChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -49,6 +49,7 @@ class ServedRManager:
         self.layout: KVLayout = rmanager.layout
         self._reservations: dict[int, tuple[str, tuple[int, ...]]] = {}  # id -> (seq_id, block ids)
         self._reserved_at: dict[int, float] = {}
+        self._staged: dict[int, list[BlockHash]] = {}  # staged import's reservation -> its header hashes
         self.reservation_ttl_s = reservation_ttl_s
         self._clock = clock
         self._uncached: list[BlockHash] = []  # left the prefix cache since the manager was last told
@@ -89,19 +90,31 @@ class ServedRManager:
             self.cancel(rid)
         return len(stale)
 
-    def commit(self, reservation_id: int, block_indices: list[int]) -> tuple[str, list[int]]:
-        """Phase two: returns ``(seq_id, block_ids)`` now owned by the sequence at logical ``block_indices``."""
+    def commit(self, reservation_id: int, block_indices: list[int]) -> tuple[str, list[int], list[BlockHash]]:
+        """Phase two: returns ``(seq_id, block_ids, cached)``: the rBlocks now owned by the sequence at logical
+        ``block_indices``, and, for a staged import (:meth:`finish_import`), the hashes of its header newly
+        cached here under them (else ``[]``). Raises ``NotFound`` for an unknown reservation,
+        ``InvalidRequest`` for indices that do not fit it (nothing changes)."""
         seq_id, _ = self._reservation(reservation_id)
+        hashes = self._staged.get(reservation_id, [])
+        if hashes and len(hashes) != len(block_indices):
+            raise InvalidRequest(f"{len(block_indices)} block indices for a staged import of {len(hashes)} rBlocks")
         ids = self.rm.commit(reservation_id, block_indices)
-        del self._reservations[reservation_id]
-        self._reserved_at.pop(reservation_id, None)
-        return seq_id, ids
+        self._forget(reservation_id)
+        cached = [(i, h) for i, h in zip(block_indices, hashes, strict=False) if h]
+        if not cached:
+            return seq_id, ids, []
+        return seq_id, ids, self.cache_blocks(seq_id, [i for i, _ in cached], [h for _, h in cached])
 
     def cancel(self, reservation_id: int) -> None:
         self._reservation(reservation_id)
         self.rm.cancel(reservation_id)
+        self._forget(reservation_id)
+
+    def _forget(self, reservation_id: int) -> None:
         del self._reservations[reservation_id]
         self._reserved_at.pop(reservation_id, None)
+        self._staged.pop(reservation_id, None)
 
     def free_sequence(self, seq_id: str, block_indices: list[int] | None = None, from_index: int | None = None) -> int:
         """Free the sequence's rBlocks and open reservations; returns the rBlocks freed (0 if unknown).
@@ -119,6 +132,7 @@ class ServedRManager:
         freed = self.rm.free_sequence(seq_id)
         self._reservations = {r: v for r, v in self._reservations.items() if v[0] != seq_id}
         self._reserved_at = {r: t for r, t in self._reserved_at.items() if r in self._reservations}
+        self._staged = {r: h for r, h in self._staged.items() if r in self._reservations}
         return freed
 
     def num_held(self, seq_id: str) -> int:
@@ -235,48 +249,76 @@ class ServedRManager:
         hashes = [self.rm.hash_of(b) or b"" for b in ids]
         return ids, self.rm.block_indices(seq_id, ids), hashes, payload.cpu()
 
-    def begin_import(self, seq_id: str, shape: list[int], dtype: torch.dtype, reservation_id: int) -> Reservation:
-        """Check a transfer's header and return the reservation its data will land in.
+    def begin_import(
+        self, seq_id: str, shape: list[int], dtype: torch.dtype, reservation_ids: list[int]
+    ) -> list[Reservation]:
+        """Check a transfer's header and return the reservations its data will land in, in payload order.
 
-        ``reservation_id`` 0 reserves the blocks now; otherwise it must be an open reservation of
-        ``seq_id`` with exactly ``shape[2]`` blocks.
-        """
+        ``reservation_ids`` empty (or ``[0]``) reserves the blocks now; otherwise each must be a distinct open
+        reservation of ``seq_id``, holding ``shape[2]`` blocks together. Raises ``InvalidRequest`` or
+        ``NotFound`` (nothing changes)."""
         check_id("seq_id", seq_id)
         n = check_payload(shape, dtype, self.layout)
-        if reservation_id == 0:
-            return self.reserve(seq_id, n)
-        owner, ids = self._reservation(reservation_id)
-        if owner != seq_id or len(ids) != n:
-            raise InvalidRequest(
-                f"reservation {reservation_id} holds {len(ids)} rBlocks of {owner!r}, not {n} of {seq_id!r}"
-            )
-        return Reservation(reservation_id, ids)
+        if not reservation_ids or reservation_ids == [0]:
+            return [self.reserve(seq_id, n)]
+        if len(set(reservation_ids)) != len(reservation_ids):
+            raise InvalidRequest(f"reservation ids repeat: {reservation_ids}", param="reservation_ids")
+        out = [Reservation(rid, self._reservation(rid)[1]) for rid in reservation_ids]
+        owners = {self._reservation(rid)[0] for rid in reservation_ids}
+        held = sum(len(r.block_ids) for r in out)
+        if owners != {seq_id} or held != n:
+            name = f"reservation {reservation_ids[0]}" if len(out) == 1 else f"reservations {reservation_ids}"
+            holders = " and ".join(repr(o) for o in sorted(owners))
+            raise InvalidRequest(f"{name} holds {held} rBlocks of {holders}, not {n} of {seq_id!r}")
+        return out
 
     def finish_import(
         self,
-        reservation: Reservation,
+        reservations: list[Reservation],
         block_indices: list[int],
         payload: torch.Tensor,
         block_hashes: list[BlockHash] | None = None,
+        stage: bool = False,
     ) -> tuple[list[int], list[BlockHash]]:
-        """Write ``payload`` (shape as :meth:`export_blocks`) into the reserved rBlocks, then commit them at
-        logical ``block_indices``; a block with a hash in ``block_hashes`` (one per block, ``b""`` for none) is
-        then cached under it here, unless this server caches that hash already: a shared rBlock moves as a
-        cached one, so its other readers can re-attach to it. Returns ``(block ids, hashes newly cached)``.
-        Raises ``InvalidRequest`` (nothing written) for NaN or inf values, or hashes that do not fit."""
+        """Write ``payload`` (shape as :meth:`export_blocks`) into the reserved rBlocks (the reservations in
+        order, as :meth:`begin_import` gave them), then commit them at logical ``block_indices``; a block with
+        a hash in ``block_hashes`` (one per block, ``b""`` for none) is then cached under it here, unless this
+        server caches that hash already: a shared rBlock moves as a cached one, so its other readers can
+        re-attach to it. Returns ``(block ids, hashes newly cached)``.
+
+        With ``stage`` the rBlocks stay reserved (unread) with their hashes: :meth:`commit` publishes and
+        caches them later, per reservation (returns ``(reserved block ids, [])``), :meth:`cancel` or expiry
+        drops them.
+
+        Raises ``NotFound`` (nothing written) when a reservation ended meanwhile (cancelled, expired, its
+        sequence freed: its rBlocks may belong to another sequence by now), ``InvalidRequest`` (nothing
+        written) for NaN or inf values, or hashes that do not fit."""
+        for r in reservations:
+            self._reservation(r.reservation_id)
         hashes = list(block_hashes or [])
         if hashes and len(hashes) != len(block_indices):
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(block_indices)} blocks", param="block_hashes")
-        cached = [(i, h) for i, h in zip(block_indices, hashes, strict=False) if h]
-        _check_hashes([h for _, h in cached])
+        _check_hashes([h for h in hashes if h])
         check_payload_values(payload)
-        index = torch.tensor(reservation.block_ids, dtype=torch.int64, device=self.rm.k_cache.device)
+        block_ids = [b for r in reservations for b in r.block_ids]
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.rm.k_cache.device)
         self.rm.k_cache.index_copy_(1, index, payload[0].to(self.rm.k_cache.device))
         self.rm.v_cache.index_copy_(1, index, payload[1].to(self.rm.v_cache.device))
-        seq_id, ids = self.commit(reservation.reservation_id, block_indices)
-        if not cached:
-            return ids, []
-        return ids, self.cache_blocks(seq_id, [i for i, _ in cached], [h for _, h in cached])
+        start, spans = 0, []
+        for r in reservations:
+            spans.append((r.reservation_id, start, start + len(r.block_ids)))
+            start += len(r.block_ids)
+        for reservation_id, lo, hi in spans:
+            if any(hashes[lo:hi]):
+                self._staged[reservation_id] = hashes[lo:hi]  # cached by commit
+        if stage:
+            return block_ids, []
+        ids, cached = [], []
+        for reservation_id, lo, hi in spans:
+            _, committed, newly = self.commit(reservation_id, block_indices[lo:hi])
+            ids.extend(committed)
+            cached.extend(newly)
+        return ids, cached
 
     # ---- stats ---------------------------------------------------------------------------------------
     def stats(self) -> HolderStats:

@@ -110,8 +110,8 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         return pb.BlockReadersResponse(readers=readers)
 
     async def CommitBlocks(self, request: pb.CommitBlocksRequest, context) -> pb.CommitBlocksResponse:
-        seq_id, ids = await self._run(self.holder.commit, request.reservation_id, list(request.block_indices))
-        return pb.CommitBlocksResponse(seq_id=seq_id, block_ids=ids)
+        seq_id, ids, cached = await self._run(self.holder.commit, request.reservation_id, list(request.block_indices))
+        return pb.CommitBlocksResponse(seq_id=seq_id, block_ids=ids, cached_hashes=cached)
 
     async def CancelReservation(self, request: pb.CancelReservationRequest, context) -> pb.CancelReservationResponse:
         await self._run(self.holder.cancel, request.reservation_id)
@@ -318,7 +318,12 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         indices = list(header.block_indices)
         if len(indices) != (shape[2] if len(shape) == 6 else -1):
             raise InvalidRequest(f"the header gives {len(indices)} block_indices for payload shape {shape}")
-        reservation = await self._run(self.holder.begin_import, header.seq_id, shape, dtype, header.reservation_id)
+        if header.reservation_id and header.reservation_ids:
+            raise InvalidRequest("give reservation_id or reservation_ids, not both", param="reservation_ids")
+        rids = list(header.reservation_ids) or ([header.reservation_id] if header.reservation_id else [])
+        if header.stage and not rids:
+            raise InvalidRequest("a staged import lands in a reservation: set reservation_id", param="reservation_id")
+        reservations = await self._run(self.holder.begin_import, header.seq_id, shape, dtype, rids)
         try:
             # Allocated only now that the shape matched the layout and its rBlocks are reserved.
             assembler = codec.ChunkAssembler(codec.payload_nbytes(header.payload))
@@ -328,17 +333,19 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
                 assembler.add(chunk.data)
             payload = codec.tensor_from_buffer(header.payload.dtype, shape, assembler.finish(), field="payload")
             hashes = list(header.block_hashes)
-            ids, cached = await self._run(self.holder.finish_import, reservation, indices, payload, hashes)
+            finish = self.holder.finish_import
+            ids, cached = await self._run(finish, reservations, indices, payload, hashes, header.stage)
         except BaseException:  # incl. a cancelled stream: the blocks never become readable
-            await asyncio.shield(self._run(self._cancel_quietly, reservation))
+            await asyncio.shield(self._run(self._cancel_quietly, reservations))
             raise
         return pb.ImportBlocksResponse(seq_id=header.seq_id, block_ids=ids, cached_hashes=cached)
 
-    def _cancel_quietly(self, reservation: Reservation) -> None:
-        try:
-            self.holder.cancel(reservation.reservation_id)
-        except NotFound:
-            pass  # already gone with its sequence (FreeSequence)
+    def _cancel_quietly(self, reservations: list[Reservation]) -> None:
+        for reservation in reservations:
+            try:
+                self.holder.cancel(reservation.reservation_id)
+            except NotFound:
+                pass  # already gone with its sequence (FreeSequence)
 
 
 def _seq_step(msg: pb.StepSeq) -> SeqStep:

@@ -180,7 +180,10 @@ class EngineLoop:
             with self._step_span():
                 outputs = self.engine.step(self._interrupt)
             if self.engine.num_interrupted_steps == interrupted:  # a cut step (an abort) is no step's pace
-                self.steps, self.step_seconds = self.steps + 1, self.step_seconds + time.perf_counter() - started
+                elapsed = time.perf_counter() - started
+                self.steps, self.step_seconds = self.steps + 1, self.step_seconds + elapsed
+                if self.metrics is not None:
+                    self.metrics.step_seconds.observe(elapsed)
         except (Unavailable, NotFound, FailedPrecondition) as e:  # a server unreachable, one that lost (fenced)
             self._recover(e)  # our KV, or one whose rBlocks of a sequence are not what its block table says
             return

@@ -1,17 +1,21 @@
 """The compute instance's half of a live migration: move a running sequence's rBlocks between its steps.
 
 The manager orders a move (:mod:`infinite_llm.services.manager.migrations`: the destination is reserved,
-one reservation per rBlock, and the ledger updated); the heartbeat reply brings the order here. Between two
-decode steps, on the engine thread, :meth:`MigrationExecutor.between_steps` moves at most
-``tokens_per_step // block_size`` rBlocks (at least one; ``--migration-tokens-per-step``, default 16), each
-one as: ExportBlocks of that rBlock from the source, ImportBlocks into one reservation on the destination
-(it commits there at the same logical index), FreeSequence of that index on the source, then the flip of
-that entry of the block table (:meth:`DistAttention.replace_table`). No step runs in between, so no step
-sees the rBlock twice or not at all: the old copy serves every step until the flip. Only full rBlocks move
-(below ``num_computed_tokens // block_size``): their KV never changes again. Any failure stops the order and
-leaves the source authoritative for what did not move (a committed copy whose source could not be freed is
-freed on the destination instead); the manager settles the rest from the :class:`MigrationResult` (sent
-with the next heartbeat).
+one reservation per rBlock, and the ledger updated); the heartbeat reply brings the order here. The copy
+overlaps the steps; only the switch happens between two of them. :meth:`MigrationExecutor.between_steps`
+(engine thread) starts, on a worker thread, the copy of at most ``tokens_per_step // block_size`` rBlocks
+(at least one; ``--migration-tokens-per-step``, default 16): one ExportBlocks of them from the source, one
+ImportBlocks into their reservations on the destination, *staged* (written, still reserved, read by no
+step). At the next call it waits for that copy (normally done long before: it ran during the step),
+commits each staged rBlock at its logical index (CommitBlocks), frees those indices on the source (one
+FreeSequence), flips those entries of the block table (:meth:`DistAttention.replace_table`), and starts
+the next copy. No step runs
+between a commit and the flip, so no step sees an rBlock twice or not at all: the old copy serves every
+step until the flip. Only full rBlocks move (below ``num_computed_tokens // block_size``): their KV never
+changes again. Any failure stops the order and leaves the source authoritative for what did not move (a
+committed copy whose source could not be freed is freed on the destination instead); the manager settles
+the rest from the :class:`MigrationResult` (sent with the next heartbeat) and cancels the reservations
+not committed, staged ones included.
 
 Shared rBlocks (prefix caching, issue 13) move with all their readers. The export carries the hash a block
 is cached under and the destination caches its copy under it; the result lists those hashes, and the
@@ -29,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,6 +45,25 @@ from infinite_llm.rpc.channels import sync_channel
 
 log = logging.getLogger(__name__)
 MAX_WAIT_STEPS = 256  # steps an order may wait for its rBlocks to fill before it gives up
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One rBlock copied to the destination and left reserved there (``stage``), not yet committed."""
+
+    index: int  # logical index in the sequence's block table
+    source: BlockRef  # the entry it was copied from (the switch checks it is still the one in the table)
+    reservation_id: int
+    nbytes: int
+
+
+@dataclass
+class Copy:
+    """What a copy started by :meth:`MigrationExecutor.between_steps` staged, in reservation order, and
+    why it stopped early (``""``: it staged all it was given)."""
+
+    staged: list[Staged] = field(default_factory=list)
+    error: str = ""
 
 
 @dataclass
@@ -59,7 +83,7 @@ class Order:
     waited: int = 0
     error: str = ""
     cached_hashes: list[bytes] = field(default_factory=list)  # moved shared rBlocks now cached on dst
-    done: bool = field(default=False)
+    copying: Future[Copy] | None = None  # the copy running during the current step
 
     @property
     def num_blocks(self) -> int:
@@ -82,16 +106,18 @@ class MigrationResult:
 
 class MigrationExecutor:
     """Executes migration orders between the steps of one compute instance. ``offer``/``take_results`` are
-    thread-safe; ``between_steps`` runs on the engine thread only.
+    thread-safe; ``between_steps`` runs on the engine thread only; copies run on one worker thread.
 
     Args:
         dist: the instance's DistAttention (owner of the block tables).
         computed: ``seq_id -> num_computed_tokens`` of a running sequence, ``None`` when it is not running.
         tokens_per_step: the migration budget per step (tokens); ``block_size`` divides it into rBlocks.
+        timeout_s: deadline of each RPC (seconds).
         on_paced: told, after each call of ``between_steps`` that moved an rBlock, the seconds that call spent
-            moving and the seconds of the step run since the previous call that worked on an order (0 for the
-            first): their ratio is what migration costs the instance's throughput while it lasts (PAPER.md: 8.6% at
-            32 tokens per step).
+            (waiting for the copy, switching, starting the next copy) and the seconds of the step run since the
+            previous call that worked on an order (0 for the first): their ratio is what migration costs the
+            engine thread while it lasts (PAPER.md: 8.6% of throughput at 32 tokens per step). What the copy
+            running beside a step costs that step shows in the step's own time.
     """
 
     def __init__(
@@ -110,7 +136,8 @@ class MigrationExecutor:
         self._lock = threading.Lock()
         self._queue: list[Order] = []
         self._results: list[MigrationResult] = []
-        self._channels: dict[str, grpc.Channel] = {}  # address -> channel (engine thread only)
+        self._channels: dict[str, grpc.Channel] = {}  # address -> channel (opened on the engine thread)
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="migration-copy")
         self.migrations_total = 0
         self._on_paced = on_paced
         self._last_done: float | None = None  # when the previous call that worked on an order returned
@@ -130,7 +157,8 @@ class MigrationExecutor:
             return bool(self._queue)
 
     def between_steps(self) -> None:
-        """Move up to ``blocks_per_step`` rBlocks of the first order; end it when done or failed."""
+        """Switch the first order's rBlocks copied during the last step, start copying its next ones; end
+        the order when all moved or it failed."""
         with self._lock:
             order = self._queue[0] if self._queue else None
         if order is None:
@@ -144,6 +172,9 @@ class MigrationExecutor:
         except Exception as e:  # noqa: BLE001 - a failed migration must never fail the step loop
             log.exception("migration %d failed", order.migration_id)
             order.error = repr(e)
+        if order.error and order.copying is not None:  # never report while a copy may still land
+            order.copying.result()
+            order.copying = None
         if order.error or order.moved == order.num_blocks:
             self._finish(order)
         done = time.perf_counter()
@@ -153,11 +184,17 @@ class MigrationExecutor:
 
     def _advance(self, order: Order) -> None:
         computed = self._computed(order.seq_id)
+        if order.copying is not None:
+            copy, order.copying = order.copying.result(), None  # normally done: it ran during the step
+            if computed is not None:
+                self._switch(order, copy)
         if computed is None:
             order.error = "the sequence is no longer running"
             return
         if order.block_indices:
             self._reattach(order)
+            return
+        if order.error or order.moved == order.num_blocks:
             return
         table = self.dist.block_table(order.seq_id)
         full = computed // self.dist.block_size
@@ -167,31 +204,69 @@ class MigrationExecutor:
             if order.waited > MAX_WAIT_STEPS:
                 order.error = f"no full rBlock of the sequence on {order.src} after {MAX_WAIT_STEPS} steps"
             return
-        for index in movable[: self.blocks_per_step]:
-            if order.moved == len(order.reservation_ids):
-                return
-            self._move_one(order, index, table[index])
-
-    def _move_one(self, order: Order, index: int, ref: BlockRef) -> None:
+        left = order.reservation_ids[order.moved :]
+        picks = [(i, table[i], rid) for i, rid in zip(movable[: self.blocks_per_step], left, strict=False)]
         src, dst = self._stub(order.src_address), self._stub(order.dst_address)
-        request = apb.ExportBlocksRequest(seq_id=order.seq_id, block_ids=[int(ref.block_id)])
-        chunks = list(src.ExportBlocks(request, timeout=self.timeout_s))
-        chunks[0].header.reservation_id = order.reservation_ids[order.moved]
-        reply = dst.ImportBlocks(iter(chunks), timeout=self.timeout_s)
+        order.copying = self._copier.submit(self._copy, order.seq_id, src, dst, picks)
+
+    def _copy(
+        self,
+        seq_id: str,
+        src: agrpc.AttentionServerStub,
+        dst: agrpc.AttentionServerStub,
+        picks: list[tuple[int, BlockRef, int]],
+    ) -> Copy:
+        """Worker thread: stage every ``(index, source entry, reservation id)`` on the destination, all in one
+        ExportBlocks and one ImportBlocks (all or none; the manager cancels the reservations never committed)."""
+        copy = Copy()
         try:
-            src.FreeSequence(
-                apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=[index]), timeout=self.timeout_s
-            )
-        except grpc.RpcError:
-            # The source still serves this index: drop the new copy so no step reads it twice.
-            dst.FreeSequence(
-                apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=[index]), timeout=self.timeout_s
-            )
-            raise
-        self._flip(order, [index], reply.block_ids)
-        order.moved += 1
-        order.bytes_moved += sum(len(c.data) for c in chunks[1:])
-        order.cached_hashes.extend(reply.cached_hashes)
+            request = apb.ExportBlocksRequest(seq_id=seq_id, block_ids=[int(ref.block_id) for _, ref, _ in picks])
+            chunks = list(src.ExportBlocks(request, timeout=self.timeout_s))
+            chunks[0].header.reservation_ids[:] = [reservation_id for _, _, reservation_id in picks]
+            chunks[0].header.stage = True
+            dst.ImportBlocks(iter(chunks), timeout=self.timeout_s)
+            nbytes = sum(len(c.data) for c in chunks[1:]) // len(picks)
+            copy.staged = [Staged(index, ref, reservation_id, nbytes) for index, ref, reservation_id in picks]
+        except grpc.RpcError as e:
+            copy.error = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # noqa: BLE001 - reported with the order's result
+            log.exception("copying rBlocks of %s failed", seq_id)
+            copy.error = repr(e)
+        return copy
+
+    def _switch(self, order: Order, copy: Copy) -> None:
+        """Engine thread, between two steps: commit the staged rBlocks on the destination (in reservation
+        order, up to the first that fails), free them on the source, flip their entries. A source that
+        refuses the free keeps serving them: the destination's copies are freed again."""
+        table = self.dist.block_table(order.seq_id)
+        dst = self._stub(order.dst_address)
+        error, committed = copy.error, []
+        for s in copy.staged:
+            if s.index >= len(table) or table[s.index] != s.source:
+                error = f"rBlock {s.index} of the sequence changed while it was copied"
+                break
+            request = apb.CommitBlocksRequest(reservation_id=s.reservation_id, block_indices=[s.index])
+            try:
+                committed.append((s, dst.CommitBlocks(request, timeout=self.timeout_s)))
+            except grpc.RpcError as e:
+                error = f"{e.code().name}: {e.details()}"
+                break
+        if committed:
+            indices = [s.index for s, _ in committed]
+            free = apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=indices)
+            try:
+                self._stub(order.src_address).FreeSequence(free, timeout=self.timeout_s)
+            except grpc.RpcError:  # the source still serves them: drop the new copies so no step reads two
+                dst.FreeSequence(apb.FreeSequenceRequest(seq_id=order.seq_id, block_indices=indices),
+                                 timeout=self.timeout_s)  # fmt: skip
+                raise
+            self._flip(order, indices, [reply.block_ids[0] for _, reply in committed])
+            order.moved += len(committed)
+            order.bytes_moved += sum(s.nbytes for s, _ in committed)
+            for _, reply in committed:
+                order.cached_hashes.extend(reply.cached_hashes)
+        if error:
+            order.error = error
 
     def _reattach(self, order: Order) -> None:
         """Commit the order's reservation on the destination at its indices, free the source references of

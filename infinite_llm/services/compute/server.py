@@ -174,6 +174,8 @@ def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfi
         if loop.metrics is not None:
             loop.metrics.migration_seconds.inc(moving_s)
             loop.metrics.migration_step_seconds.inc(stepping_s)
+            if stepping_s > 0:  # one step ran between two calls that worked on an order
+                loop.metrics.migration_steps.inc()
 
     executor = MigrationExecutor(kv, computed, config.migration_tokens_per_step, config.rpc_timeout_s, paced)
     loop.between_steps = executor.between_steps

@@ -1,7 +1,8 @@
 """Live migration on real attention servers: the compute-side executor moves a decoding sequence's rBlocks
-between steps (Export, Import into the manager's reservations, free on the source, block-table flip), and
-every step's merged attention still equals dense causal attention over all the K/V so far. A failed
-migration leaves the source serving and nothing held on the destination."""
+(Export and a staged Import into the manager's reservations during a step; between steps commit on the
+destination, free on the source, block-table flip), and every step's merged attention still equals dense
+causal attention over all the K/V so far. A failed migration leaves the source serving and nothing held on
+the destination."""
 
 import time
 
@@ -61,9 +62,10 @@ def test_sequence_migrates_across_three_servers_mid_decode_with_exact_attention(
     results = executor.take_results()
     assert [(r.migration_id, r.num_blocks, r.num_moved, r.error) for r in results] == [(1, 3, 3, ""), (2, 2, 2, "")]
     assert [r.bytes_moved for r in results] == [3 * LAYOUT.bytes_per_block, 2 * LAYOUT.bytes_per_block]
-    # One rBlock per step (before the step at position 10 + i): 0, 1, then 2 once 12 tokens have KV; the
-    # second order waits for B's rBlocks 4 and 5 to fill (20 and 24 tokens).
-    want = ["CAAABBCC", "CCAABBCC"] + ["CCCABBCC"] * 8 + ["CCCAABCC"] * 4 + ["CCCAAACC"] * 6
+    # One rBlock per step, copied during the step after the call that picks it and switched by the next call
+    # (before the step at position 10 + i): 0, 1, then 2 (picked once 12 tokens have KV); the second order
+    # waits for B's rBlocks 4 and 5 to fill (picked at 20 and 24 tokens).
+    want = ["AAAABBCC", "CAAABBCC", "CCAABBCC"] + ["CCCABBCC"] * 8 + ["CCCAABCC"] * 4 + ["CCCAAACC"] * 5
     assert holders == want
     assert [_stats(pairs[s]) for s in ("A", "B", "C")] == [(5, 3, 0), (8, 0, 0), (3, 5, 0)]
     assert executor.migrations_total == 2
@@ -80,7 +82,9 @@ def test_failed_import_leaves_the_source_serving_and_nothing_on_the_destination(
     table = steps.dist.block_table("s")
     # The manager's reservations on C are gone (expired, or the destination restarted): the import is refused.
     executor.offer(_order(7, pairs, "A", "C", [987654, 987655]))
-    executor.between_steps()
+    executor.between_steps()  # starts the copy: the staged import is refused
+    assert executor.take_results() == []
+    executor.between_steps()  # sees the failure, switches nothing
     (result,) = executor.take_results()
     assert (result.num_moved, result.bytes_moved) == (0, 0) and result.error.startswith("NOT_FOUND")
     assert steps.dist.block_table("s") == table
@@ -102,7 +106,8 @@ def test_destination_killed_mid_migration_keeps_the_rest_on_the_source(make_serv
     a_before = _stats(pairs["A"])
     loop.run(server_c.stop(0))  # the destination dies before the first rBlock lands
     executor.offer(Order(3, "s", "A", pairs["A"].address, "C", server_c.address, rids))
-    executor.between_steps()
+    executor.between_steps()  # starts the copy
+    executor.between_steps()  # sees it failed
     (result,) = executor.take_results()
     assert result.num_moved == 0 and result.error.startswith("UNAVAILABLE")
     assert "".join(r.holder for r in steps.dist.block_table("s")) == "AAAB"
@@ -163,7 +168,9 @@ def test_a_shared_block_moves_with_all_its_readers(make_pair):
     rids = [pairs["C"].stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="r", num_blocks=1), timeout=TIMEOUT)
             for _ in range(2)]  # fmt: skip
     executor.offer(Order(1, "r", "A", pairs["A"].address, "C", pairs["C"].address, [r.reservation_id for r in rids]))
-    executor.between_steps()
+    executor.between_steps()  # copies both during the (here absent) step: staged on C, reserved, uncached
+    assert pairs["C"].stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached == 0
+    executor.between_steps()  # commits them (cached now), frees them on A, flips r's table
     (moved,) = executor.take_results()
     assert (moved.num_moved, moved.error, list(moved.cached_hashes), moved.block_indices) == (2, "", hashes, ())
     assert [ref.holder for ref in steps.dist.block_table("r")] == ["C", "C", "C"]
@@ -222,9 +229,9 @@ def test_a_reattach_order_does_nothing_if_an_entry_is_no_longer_on_the_source(ma
 
 
 def test_the_executor_reports_its_pace_moving_time_against_the_steps_between(cluster):
-    """``on_paced`` gets, per call that works on an order, the seconds spent moving and the seconds since the
-    previous such call (the steps in between): the first call has no step before it, a call with no order
-    reports nothing and resets the pace."""
+    """``on_paced`` gets, per call that moves rBlocks, the seconds it spent and the seconds since the previous
+    call that worked on an order (the step in between, during which the copy ran); a call that only starts a
+    copy reports nothing, nor does a call with no order."""
     pairs, steps = cluster
     computed = {"s": 0}
     paced: list[tuple[float, float]] = []
@@ -235,12 +242,59 @@ def test_the_executor_reports_its_pace_moving_time_against_the_steps_between(clu
     computed["s"] = 10
     executor.between_steps()  # no order yet: nothing reported
     executor.offer(_order(1, pairs, "A", "C", _reserve(pairs["C"], "s", 2)))  # rBlocks 0 and 1, one per call
-    executor.between_steps()
+    executor.between_steps()  # starts copying rBlock 0: nothing moved yet
+    assert paced == []
     time.sleep(0.2)  # stands for a step
-    executor.between_steps()  # moves the second and ends the order
+    executor.between_steps()  # switches rBlock 0, starts copying rBlock 1
+    time.sleep(0.3)
+    executor.between_steps()  # switches the second and ends the order
     executor.between_steps()  # no order: nothing
     assert len(paced) == 2
     (moving_1, stepping_1), (moving_2, stepping_2) = paced
-    assert stepping_1 == 0.0 and moving_1 > 0 and moving_2 > 0
-    assert 0.2 <= stepping_2 < 0.2 + 1.0
+    assert moving_1 > 0 and moving_2 > 0
+    assert 0.2 <= stepping_1 < 0.2 + 1.0 and 0.3 <= stepping_2 < 0.3 + 1.0
     assert [r.num_moved for r in executor.take_results()] == [2]
+
+
+def test_a_sequence_that_ends_while_its_rblocks_are_copied_switches_nothing(cluster):
+    """The copy finishes (staged on C, still reserved) but the sequence stopped running meanwhile: nothing
+    is committed or freed, the order ends once the copy is done, and the manager's cancel of its
+    reservations leaves C as it was."""
+    pairs, steps = cluster
+    computed = {"s": 10}
+    executor = _executor(steps, computed, tokens_per_step=8)  # two rBlocks per step
+    steps.step([SeqStep("s", 0, 10)])
+    rids = _reserve(pairs["C"], "s", 2)
+    before_a, table = _stats(pairs["A"]), steps.dist.block_table("s")
+    executor.offer(_order(4, pairs, "A", "C", rids))
+    executor.between_steps()
+    del computed["s"]
+    executor.between_steps()
+    (result,) = executor.take_results()
+    assert (result.num_moved, result.error) == (0, "the sequence is no longer running")
+    assert steps.dist.block_table("s") == table and _stats(pairs["A"]) == before_a
+    assert _stats(pairs["C"]) == (4, 2, 2)  # s's own rBlocks 6 and 7, and the two staged, never committed
+    for rid in rids:  # what the manager does on settling
+        pairs["C"].stub.CancelReservation(pb.CancelReservationRequest(reservation_id=rid), timeout=TIMEOUT)
+    assert _stats(pairs["C"]) == (6, 2, 0)
+
+
+def test_an_entry_that_changed_while_copied_is_not_switched(cluster):
+    """Between the copy's start and the switch the sequence's entry 1 was replaced (here by hand, as a
+    re-placement would): entry 0 is switched, entry 1 is not, and the order stops there."""
+    from infinite_llm.core.dist_attention import BlockId, BlockRef, HolderId
+
+    pairs, steps = cluster
+    executor = _executor(steps, {"s": 10}, tokens_per_step=8)
+    steps.step([SeqStep("s", 0, 10)])
+    executor.offer(_order(5, pairs, "A", "C", _reserve(pairs["C"], "s", 2)))
+    executor.between_steps()
+    table = steps.dist.block_table("s")
+    changed = BlockRef(HolderId("A"), BlockId(7))
+    steps.dist.replace_table("s", [*table[:1], changed, *table[2:]])
+    executor.between_steps()
+    (result,) = executor.take_results()
+    assert (result.num_moved, result.error) == (1, "rBlock 1 of the sequence changed while it was copied")
+    assert [r.holder for r in steps.dist.block_table("s")[:2]] == ["C", "A"]
+    assert steps.dist.block_table("s")[1] == changed
+    assert _stats(pairs["C"]) == (4, 3, 1)  # entry 0 joined rBlocks 6, 7; entry 1's copy stays reserved

@@ -232,3 +232,132 @@ def test_a_header_asking_for_more_blocks_than_exist_is_refused_before_any_data(s
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "the header gives 3 block_indices for payload shape [2, 3, 1000000000000" in info.value.details()
     assert _stats(stub_c) == (8, 0, 0)
+
+
+def test_a_staged_import_is_read_by_no_step_until_committed_and_a_cancel_drops_it(source, make_server):
+    """``stage``: the data lands in the reservation, which stays reserved (no export, no attention reads it);
+    CommitBlocks then publishes it at the indices it gives, with partials identical to the source's; a staged
+    import that is cancelled instead frees its rBlocks."""
+    stub_a, steps = source
+    server_c, stub_c = make_server(8, LAYOUT, "C")
+    kept = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=3), timeout=TIMEOUT)
+    dropped = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=3), timeout=TIMEOUT)
+    for r in (kept, dropped):
+        chunks = _export(stub_a)
+        chunks[0].header.reservation_id, chunks[0].header.stage = r.reservation_id, True
+        reply = stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
+        assert list(reply.block_ids) == list(r.block_ids) and list(reply.cached_hashes) == []
+    assert _stats(stub_c) == (2, 0, 6)  # both still reserved
+    with pytest.raises(grpc.RpcError) as info:
+        stub_c.ExportBlocks(pb.ExportBlocksRequest(seq_id="s"), timeout=TIMEOUT).next()
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND  # the sequence holds nothing here yet
+    stub_c.CancelReservation(pb.CancelReservationRequest(reservation_id=dropped.reservation_id), timeout=TIMEOUT)
+    commit = pb.CommitBlocksRequest(reservation_id=kept.reservation_id, block_indices=[0, 1, 2])
+    committed = stub_c.CommitBlocks(commit, timeout=TIMEOUT)
+    assert list(committed.block_ids) == list(kept.block_ids) and list(committed.cached_hashes) == []
+    assert _stats(stub_c) == (5, 3, 0)
+    steps.pairs["C"] = Pair(stub_c, 8, LAYOUT, mirrored=False, address=server_c.address)
+    on_a = _decode_on(steps, "A", chunks[0].header.block_ids)
+    on_c = _decode_on(steps, "C", committed.block_ids)
+    for (out_a, lse_a), (out_c, lse_c) in zip(on_a, on_c, strict=True):
+        assert torch.equal(out_a, out_c) and torch.equal(lse_a, lse_c)
+
+
+def test_a_staged_import_needs_a_reservation(source, make_server):
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    chunks = _export(stub_a)
+    chunks[0].header.stage = True
+    with pytest.raises(grpc.RpcError) as info:
+        stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "a staged import lands in a reservation: set reservation_id" in info.value.details()
+    assert _stats(stub_c) == (8, 0, 0)
+
+
+def test_an_import_whose_reservation_ended_mid_stream_writes_nothing(source, make_server):
+    """The manager cancelled the reservation (or it expired) while its data streamed in, and another sequence
+    took those rBlocks: the import fails NOT_FOUND and the other sequence's KV is untouched."""
+    stub_a, _ = source
+    _, stub_c = make_server(3, LAYOUT, "C")
+    r = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=3), timeout=TIMEOUT)
+    chunks = _export(stub_a)
+    chunks[0].header.reservation_id = r.reservation_id
+
+    def stream():
+        yield from chunks[:2]
+        stub_c.CancelReservation(pb.CancelReservationRequest(reservation_id=r.reservation_id), timeout=TIMEOUT)
+        other = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="o", num_blocks=3), timeout=TIMEOUT)
+        assert sorted(other.block_ids) == sorted(r.block_ids)
+        commit = pb.CommitBlocksRequest(reservation_id=other.reservation_id, block_indices=[0, 1, 2])
+        stub_c.CommitBlocks(commit, timeout=TIMEOUT)
+        before.extend(_export_all(stub_c, "o"))
+        yield from chunks[2:]
+
+    before: list[bytes] = []
+    with pytest.raises(grpc.RpcError) as info:
+        stub_c.ImportBlocks(stream(), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _export_all(stub_c, "o") == before and _stats(stub_c) == (0, 3, 0)
+
+
+def _export_all(stub, seq_id: str) -> list[bytes]:  # noqa: ANN001
+    return [c.data for c in stub.ExportBlocks(pb.ExportBlocksRequest(seq_id=seq_id), timeout=TIMEOUT)][1:]
+
+
+def test_an_import_fills_several_reservations_in_order(source, make_server):
+    """``reservation_ids``: the payload's blocks land in the reservations in order (here 1 + 2 rBlocks), each
+    committed at its share of the header's indices; the export back gives the same bytes."""
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    one = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=1), timeout=TIMEOUT)
+    two = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=2), timeout=TIMEOUT)
+    chunks = _export(stub_a)
+    chunks[0].header.reservation_ids[:] = [two.reservation_id, one.reservation_id]
+    reply = stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
+    assert list(reply.block_ids) == [*two.block_ids, *one.block_ids]
+    assert _stats(stub_c) == (5, 3, 0)
+    again = list(stub_c.ExportBlocks(pb.ExportBlocksRequest(seq_id="s", block_ids=reply.block_ids), timeout=TIMEOUT))
+    assert list(again[0].header.block_indices) == [0, 1, 2]
+    assert b"".join(c.data for c in again[1:]) == b"".join(c.data for c in chunks[1:])
+
+
+@pytest.mark.parametrize(
+    ("case", "details"),
+    [
+        ("too_few", "reservations [{a}, {b}] holds 2 rBlocks of 's', not 3 of 's'"),
+        ("foreign", "holds 3 rBlocks of 'o' and 's', not 3 of 's'"),
+        ("both", "give reservation_id or reservation_ids, not both"),
+        ("repeated", "reservation ids repeat"),
+    ],
+)
+def test_a_bad_set_of_reservations_is_refused_before_any_data(source, make_server, case, details):
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    a = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=1), timeout=TIMEOUT).reservation_id
+    seq = "o" if case == "foreign" else "s"
+    b = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id=seq, num_blocks=2 if seq == "o" else 1), timeout=TIMEOUT)
+    b = b.reservation_id
+    chunks = _export(stub_a)
+    header = chunks[0].header
+    header.reservation_ids[:] = {"repeated": [a, a, b]}.get(case, [a, b])
+    if case == "both":
+        header.reservation_id = a
+    with pytest.raises(grpc.RpcError) as info:
+        stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.format(a=a, b=b) in info.value.details()
+    assert _stats(stub_c)[2] == (3 if case == "foreign" else 2)  # both reservations untouched
+
+
+def test_a_failed_import_into_several_reservations_cancels_them_all(source, make_server):
+    stub_a, _ = source
+    _, stub_c = make_server(8, LAYOUT, "C")
+    rids = [stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=n), timeout=TIMEOUT).reservation_id
+            for n in (2, 1)]  # fmt: skip
+    chunks = _export(stub_a)
+    chunks[0].header.reservation_ids[:] = rids
+    with pytest.raises(grpc.RpcError) as info:
+        stub_c.ImportBlocks(iter(chunks[:-1]), timeout=TIMEOUT)  # one chunk short
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _stats(stub_c) == (8, 0, 0)

@@ -18,7 +18,7 @@ def test_reservation_older_than_the_ttl_is_cancelled_on_the_next_reserve():
     assert holder.rm.pool.num_reserved == 3  # orphan's 4 blocks came back; b and c are held
     assert (orphan.block_ids, kept.block_ids) == ((0, 1, 2, 3), (4,))
     assert fresh.block_ids == (5, 0)  # free list: 5, then the orphan's blocks returned to the back
-    assert holder.commit(kept.reservation_id, [0]) == ("b", list(kept.block_ids))
+    assert holder.commit(kept.reservation_id, [0]) == ("b", list(kept.block_ids), [])
 
 
 def test_committed_blocks_never_expire():
