@@ -12,8 +12,8 @@ instance's own counters:
   (``infinite_llm:migration_seconds`` and ``migration_step_seconds``): what the switches between steps cost;
 - what the copy running beside a step costs that step: once the migration is done, while the same batch
   decodes (the window ends before any stream does), the benchmark runs migration-sized copies itself (per
-  step, ``tokens_per_step // block_size`` rBlocks of the long request, each one ExportBlocks from attn-0 and
-  one staged ImportBlocks into a reservation on attn-1, relayed by this process as the compute instance
+  step, ``tokens_per_step // block_size`` rBlocks of the long request in one ExportBlocks from attn-0 and
+  one staged ImportBlocks into reservations on attn-1, relayed by this process as the compute instance
   relays them)
   in alternating windows of ``--window-steps`` steps, with and without, ordered off-on-on-off so that a
   linear drift of the machine cancels; ``copy`` is how much longer a step ran with one beside it;
@@ -89,9 +89,10 @@ def step_totals(address: str) -> tuple[float, float]:
 
 class Copier:
     """Migration-sized copies, as the executor's worker makes them: ``blocks`` rBlocks of a running sequence
-    on ``src``, each exported alone and imported staged into a one-rBlock reservation on ``dst``. Each
-    reservation lives only through its copy (reserved, imported, cancelled: two small RPCs more than a
-    migration's copy, whose reservations the manager made beforehand), so no reconciler pass sees it."""
+    on ``src`` in one ExportBlocks, imported staged in one ImportBlocks into one-rBlock reservations on
+    ``dst``. The reservations live only through their copy (reserved, imported, cancelled: small RPCs a
+    migration's copy does not make, its reservations made by the manager beforehand), so no reconciler
+    pass sees them."""
 
     def __init__(self, src: str, dst: str, seq_id: str, blocks: int) -> None:
         self.src = agrpc.AttentionServerStub(sync_channel(src))
@@ -101,15 +102,15 @@ class Copier:
         self.block_ids = list(header.block_ids[:blocks])
 
     def copy(self) -> None:
-        for block_id in self.block_ids:
-            request = apb.ReserveBlocksRequest(seq_id=self.seq_id, num_blocks=1)
-            reservation_id = self.dst.ReserveBlocks(request, timeout=30).reservation_id
-            try:
-                export = apb.ExportBlocksRequest(seq_id=self.seq_id, block_ids=[block_id])
-                chunks = list(self.src.ExportBlocks(export, timeout=30))
-                chunks[0].header.reservation_id, chunks[0].header.stage = reservation_id, True
-                self.dst.ImportBlocks(iter(chunks), timeout=30)
-            finally:
+        request = apb.ReserveBlocksRequest(seq_id=self.seq_id, num_blocks=1)
+        reservations = [self.dst.ReserveBlocks(request, timeout=30).reservation_id for _ in self.block_ids]
+        try:
+            export = apb.ExportBlocksRequest(seq_id=self.seq_id, block_ids=self.block_ids)
+            chunks = list(self.src.ExportBlocks(export, timeout=30))
+            chunks[0].header.reservation_ids[:], chunks[0].header.stage = reservations, True
+            self.dst.ImportBlocks(iter(chunks), timeout=30)
+        finally:
+            for reservation_id in reservations:
                 self.dst.CancelReservation(apb.CancelReservationRequest(reservation_id=reservation_id), timeout=30)
 
 
