@@ -51,6 +51,15 @@ def _decode_on(steps: Steps, server: str, block_ids) -> list[tuple[torch.Tensor,
     return [partials[layer][server] for layer in range(3)]
 
 
+def _assert_same_partials(steps: Steps, server_c, stub_c, ids_a, ids_c) -> None:  # noqa: ANN001
+    """One decode step of "s" over its rBlocks ``ids_a`` on A, then over ``ids_c`` on C: bitwise equal."""
+    steps.pairs["C"] = Pair(stub_c, 8, LAYOUT, mirrored=False, address=server_c.address)  # compare A with C
+    on_a = _decode_on(steps, "A", ids_a)
+    on_c = _decode_on(steps, "C", ids_c)
+    for (out_a, lse_a), (out_c, lse_c) in zip(on_a, on_c, strict=True):
+        assert torch.equal(out_a, out_c) and torch.equal(lse_a, lse_c)
+
+
 def test_export_then_import_gives_identical_partials_on_the_new_server(source, make_server):
     stub_a, steps = source
     server_c, stub_c = make_server(8, LAYOUT, "C")
@@ -78,11 +87,7 @@ def test_export_then_import_gives_identical_partials_on_the_new_server(source, m
     assert reply.seq_id == "s" and list(reply.block_ids) == list(r.block_ids) == [2, 3, 4]
     assert seen_mid_stream == [(3, 0, 5), grpc.StatusCode.NOT_FOUND]
     assert _stats(stub_c) == (3, 3, 2)
-    steps.pairs["C"] = Pair(stub_c, 8, LAYOUT, mirrored=False, address=server_c.address)  # compare A with C
-    on_a = _decode_on(steps, "A", header.block_ids)
-    on_c = _decode_on(steps, "C", reply.block_ids)
-    for (out_a, lse_a), (out_c, lse_c) in zip(on_a, on_c, strict=True):
-        assert torch.equal(out_a, out_c) and torch.equal(lse_a, lse_c)
+    _assert_same_partials(steps, server_c, stub_c, header.block_ids, reply.block_ids)
 
 
 def test_import_without_a_reservation_reserves_on_the_header(source, make_server):
@@ -222,15 +227,30 @@ def _poll(condition, timeout: float = TIMEOUT) -> None:
         time.sleep(0.01)
 
 
-def test_a_header_asking_for_more_blocks_than_exist_is_refused_before_any_data(source, make_server):
+def _huge(header: pb.BlockTransferHeader) -> None:
+    header.payload.shape[2] = 10**12  # would be ~1.5 PB: refused by the header check, never allocated
+
+
+def _staged_without_reservation(header: pb.BlockTransferHeader) -> None:
+    header.stage = True
+
+
+@pytest.mark.parametrize(
+    ("mutate", "details"),
+    [
+        (_huge, "the header gives 3 block_indices for payload shape [2, 3, 1000000000000"),
+        (_staged_without_reservation, "a staged import lands in a reservation: set reservation_id"),
+    ],
+)
+def test_a_bad_header_is_refused_before_any_data(source, make_server, mutate, details):
     stub_a, _ = source
     _, stub_c = make_server(8, LAYOUT, "C")
     chunks = _export(stub_a)
-    chunks[0].header.payload.shape[2] = 10**12  # would be ~1.5 PB: refused by the header check, never allocated
+    mutate(chunks[0].header)
     with pytest.raises(grpc.RpcError) as info:
         stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "the header gives 3 block_indices for payload shape [2, 3, 1000000000000" in info.value.details()
+    assert details in info.value.details()
     assert _stats(stub_c) == (8, 0, 0)
 
 
@@ -256,23 +276,7 @@ def test_a_staged_import_is_read_by_no_step_until_committed_and_a_cancel_drops_i
     committed = stub_c.CommitBlocks(commit, timeout=TIMEOUT)
     assert list(committed.block_ids) == list(kept.block_ids) and list(committed.cached_hashes) == []
     assert _stats(stub_c) == (5, 3, 0)
-    steps.pairs["C"] = Pair(stub_c, 8, LAYOUT, mirrored=False, address=server_c.address)
-    on_a = _decode_on(steps, "A", chunks[0].header.block_ids)
-    on_c = _decode_on(steps, "C", committed.block_ids)
-    for (out_a, lse_a), (out_c, lse_c) in zip(on_a, on_c, strict=True):
-        assert torch.equal(out_a, out_c) and torch.equal(lse_a, lse_c)
-
-
-def test_a_staged_import_needs_a_reservation(source, make_server):
-    stub_a, _ = source
-    _, stub_c = make_server(8, LAYOUT, "C")
-    chunks = _export(stub_a)
-    chunks[0].header.stage = True
-    with pytest.raises(grpc.RpcError) as info:
-        stub_c.ImportBlocks(iter(chunks), timeout=TIMEOUT)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "a staged import lands in a reservation: set reservation_id" in info.value.details()
-    assert _stats(stub_c) == (8, 0, 0)
+    _assert_same_partials(steps, server_c, stub_c, chunks[0].header.block_ids, committed.block_ids)
 
 
 def test_an_import_whose_reservation_ended_mid_stream_writes_nothing(source, make_server):
