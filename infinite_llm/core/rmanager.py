@@ -142,7 +142,7 @@ class RManager:
     # ---- ownership ---------------------------------------------------------------------------------
     def allocate(self, seq_id: str, block_indices: Sequence[int]) -> list[int]:
         """Allocate one rBlock per logical index in ``block_indices`` to ``seq_id``; returns the block ids."""
-        self._check_indices(seq_id, block_indices)
+        self.check_indices(seq_id, block_indices)
         ids = self.pool.allocate(len(block_indices))
         self._record(seq_id, block_indices, ids)
         return ids
@@ -164,13 +164,14 @@ class RManager:
                 f"reservation {reservation_id} holds {len(self.pool.reserved_ids(reservation_id))} rBlocks, "
                 f"got {len(block_indices)} block indices"
             )
-        self._check_indices(seq_id, block_indices)
+        self.check_indices(seq_id, block_indices)
         ids = self.pool.commit(reservation_id)
         del self._pending[reservation_id]
         self._record(seq_id, block_indices, ids)
         return ids
 
-    def _check_indices(self, seq_id: str, block_indices: Sequence[int]) -> None:
+    def check_indices(self, seq_id: str, block_indices: Sequence[int]) -> None:
+        """Raises ``InvalidRequest`` unless ``block_indices`` are distinct, >= 0 and none held by ``seq_id``."""
         owned = self._owned.get(seq_id, {})
         if any(i < 0 for i in block_indices) or len(set(block_indices)) != len(block_indices):
             raise InvalidRequest(f"block indices {list(block_indices)[:8]} of {seq_id!r} must be distinct and >= 0")
@@ -256,7 +257,7 @@ class RManager:
         """A prefix-cache hit: the cached rBlocks named by ``hashes`` join ``seq_id``'s table at logical
         ``block_indices`` (one reader more each; they are read, never written). Returns their block ids.
         Raises ``NotFound`` (nothing changes) if a hash is not cached here (evicted meanwhile)."""
-        self._check_indices(seq_id, block_indices)
+        self.check_indices(seq_id, block_indices)
         ids = [self._block_of_hash.get(h) for h in hashes]
         if len(ids) != len(block_indices) or None in ids:
             raise NotFound(f"{ids.count(None)} of {len(hashes)} prefix blocks of {seq_id!r} are no longer cached here")

@@ -293,8 +293,9 @@ class ServedRManager:
         Raises ``NotFound`` (nothing written) when a reservation ended meanwhile (cancelled, expired, its
         sequence freed: its rBlocks may belong to another sequence by now), ``InvalidRequest`` (nothing
         written) for NaN or inf values, or hashes that do not fit."""
-        for r in reservations:
-            self._reservation(r.reservation_id)
+        seq_id = {self._reservation(r.reservation_id)[0] for r in reservations}.pop()
+        if not stage:  # the commits below then cannot fail one after another committed
+            self.rm.check_indices(seq_id, block_indices)
         hashes = list(block_hashes or [])
         if hashes and len(hashes) != len(block_indices):
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(block_indices)} blocks", param="block_hashes")

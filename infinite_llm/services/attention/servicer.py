@@ -321,7 +321,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         if header.reservation_id and header.reservation_ids:
             raise InvalidRequest("give reservation_id or reservation_ids, not both", param="reservation_ids")
         rids = list(header.reservation_ids) or ([header.reservation_id] if header.reservation_id else [])
-        if header.stage and not rids:
+        if header.stage and (not rids or 0 in rids):
             raise InvalidRequest("a staged import lands in a reservation: set reservation_id", param="reservation_id")
         reservations = await self._run(self.holder.begin_import, header.seq_id, shape, dtype, rids)
         try:

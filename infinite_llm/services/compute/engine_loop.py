@@ -44,6 +44,9 @@ class _Submit:
     trace_context: otel_context.Context  # the caller's span: engine steps serving it join its trace
 
 
+_WAKE = object()  # a command that only wakes the engine thread (EngineLoop.wake)
+
+
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
@@ -84,6 +87,9 @@ class EngineLoop:
         self.generated_tokens = 0
         self._failures = 0
         self.between_steps: Callable[[], None] | None = None  # e.g. a migration's next rBlocks (engine thread)
+        # engine thread, each time before it waits with nothing to run: e.g. migration orders whose sequences
+        # ended settle now rather than at the next request's first step (never raises)
+        self.when_idle: Callable[[], None] | None = None
         self.steps, self.step_seconds = 0, 0.0  # decode steps run and their wall time (seconds), for heartbeats
 
     def start(self) -> None:
@@ -92,6 +98,10 @@ class EngineLoop:
     def stop(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
+
+    def wake(self) -> None:
+        """Let an idle engine thread run ``when_idle`` (thread-safe)."""
+        self._commands.put(_WAKE)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, sink: Sink) -> None:
         self._commands.put(_Submit(request_id, prompt, params, sink, otel_context.get_current()))
@@ -121,6 +131,8 @@ class EngineLoop:
         while True:
             try:
                 block = not self.engine.has_unfinished()
+                if block and self.when_idle is not None:
+                    self.when_idle()
                 if not self._apply_commands(block):
                     return
                 if self.engine.has_unfinished():
@@ -145,7 +157,9 @@ class EngineLoop:
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: _Submit | _Abort) -> None:
+    def _apply(self, cmd: _Submit | _Abort | object) -> None:
+        if cmd is _WAKE:
+            return
         if isinstance(cmd, _Submit) and len(self.engine.scheduler.waiting) >= self.max_waiting:
             cmd.sink(
                 QueueFull(

@@ -141,10 +141,21 @@ class MigrationExecutor:
         self.migrations_total = 0
         self._on_paced = on_paced
         self._last_done: float | None = None  # when the previous call that worked on an order returned
+        self.on_offer: Callable[[], None] | None = None  # told after each offer (wakes an idle engine thread)
 
     def offer(self, order: Order) -> None:
         with self._lock:
             self._queue.append(order)
+        if self.on_offer is not None:
+            self.on_offer()
+
+    def settle_idle(self) -> None:
+        """Engine thread, while no sequence runs: end every queued order (each one's sequence is no longer
+        running), once its copy in flight, if any, is done."""
+        with self._lock:
+            pending = len(self._queue)
+        for _ in range(pending):
+            self.between_steps()
 
     def take_results(self) -> list[MigrationResult]:
         with self._lock:
@@ -222,6 +233,10 @@ class MigrationExecutor:
         try:
             request = apb.ExportBlocksRequest(seq_id=seq_id, block_ids=[int(ref.block_id) for _, ref, _ in picks])
             chunks = list(src.ExportBlocks(request, timeout=self.timeout_s))
+            exported = list(chunks[0].header.block_indices)
+            if exported != [index for index, _, _ in picks]:  # the source's table is not ours: move nothing
+                copy.error = f"the source holds those rBlocks at indices {exported}, not {[i for i, _, _ in picks]}"
+                return copy
             chunks[0].header.reservation_ids[:] = [reservation_id for _, _, reservation_id in picks]
             chunks[0].header.stage = True
             dst.ImportBlocks(iter(chunks), timeout=self.timeout_s)
@@ -250,6 +265,8 @@ class MigrationExecutor:
                 committed.append((s, dst.CommitBlocks(request, timeout=self.timeout_s)))
             except grpc.RpcError as e:
                 error = f"{e.code().name}: {e.details()}"
+                if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                    self._drop_quietly(dst, order.seq_id, s.index)  # it may have committed before the reply was lost
                 break
         if committed:
             indices = [s.index for s, _ in committed]
@@ -267,6 +284,14 @@ class MigrationExecutor:
                 order.cached_hashes.extend(reply.cached_hashes)
         if error:
             order.error = error
+
+    def _drop_quietly(self, dst: agrpc.AttentionServerStub, seq_id: str, index: int) -> None:
+        """Best effort: free ``index`` of ``seq_id`` on the destination, if a commit whose reply was lost did
+        put it there (no step ran since, so none read it). Refused when it is not there: nothing to do."""
+        try:
+            dst.FreeSequence(apb.FreeSequenceRequest(seq_id=seq_id, block_indices=[index]), timeout=self.timeout_s)
+        except grpc.RpcError:
+            pass
 
     def _reattach(self, order: Order) -> None:
         """Commit the order's reservation on the destination at its indices, free the source references of

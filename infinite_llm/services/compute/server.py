@@ -179,6 +179,8 @@ def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfi
 
     executor = MigrationExecutor(kv, computed, config.migration_tokens_per_step, config.rpc_timeout_s, paced)
     loop.between_steps = executor.between_steps
+    loop.when_idle = executor.settle_idle  # an order whose sequence ended settles without waiting for a step
+    executor.on_offer = loop.wake
     return executor
 
 

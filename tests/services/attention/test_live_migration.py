@@ -6,12 +6,13 @@ the destination."""
 
 import time
 
+import grpc
 import pytest
 
 from infinite_llm.core.rmanager import KVLayout, SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
 from infinite_llm.services.compute.migration import MigrationExecutor, Order
-from tests.services.attention.helpers import TIMEOUT, Steps
+from tests.services.attention.helpers import TIMEOUT, Pair, Steps
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
 NUM_HEADS = 4
@@ -298,3 +299,49 @@ def test_an_entry_that_changed_while_copied_is_not_switched(cluster):
     assert [r.holder for r in steps.dist.block_table("s")[:2]] == ["C", "A"]
     assert steps.dist.block_table("s")[1] == changed
     assert _stats(pairs["C"]) == (4, 3, 1)  # entry 0 joined rBlocks 6, 7; entry 1's copy stays reserved
+
+
+def test_a_second_commit_refused_keeps_the_first_moved_and_the_rest_on_the_source(cluster):
+    """Two rBlocks staged; the second's reservation is gone by the switch (cancelled, expired): the first is
+    committed, freed on A and flipped, the second stays on A, and the result says 1 moved (the manager then
+    cancels the reservations after the first). Attention stays exact."""
+    pairs, steps = cluster
+    executor = _executor(steps, {"s": 10}, tokens_per_step=8)
+    steps.step([SeqStep("s", 0, 10)])
+    rids = _reserve(pairs["C"], "s", 2)
+    executor.offer(_order(6, pairs, "A", "C", rids))
+    executor.between_steps()
+    executor._copier.submit(lambda: None).result()  # the copy ran (one worker: queued after it)
+    pairs["C"].stub.CancelReservation(pb.CancelReservationRequest(reservation_id=rids[1]), timeout=TIMEOUT)
+    executor.between_steps()
+    (result,) = executor.take_results()
+    assert (result.num_moved, result.error) == (1, f"NOT_FOUND: no reservation {rids[1]}")
+    assert [ref.holder for ref in steps.dist.block_table("s")[:2]] == ["C", "A"]
+    assert [_stats(pairs[s]) for s in ("A", "C")] == [(5, 3, 0), (5, 3, 0)]
+    steps.step([SeqStep("s", 10, 1)])  # exact, or it raises
+
+
+def test_a_source_gone_before_the_switch_leaves_nothing_on_the_destination(make_server, make_pair, loop):
+    """The copy landed (staged on C) but A died before the switch: C commits, A's free fails, so C frees its
+    copies again; nothing moved, and once the manager cancels the reservations C is as before."""
+    server_a, stub_a = make_server(8, LAYOUT, "A")
+    pairs = {"A": Pair(stub_a, 8, LAYOUT, mirrored=False, address=server_a.address)}
+    pairs["C"] = make_pair(8, LAYOUT, "C", mirrored=False)
+    steps = Steps(pairs, LAYOUT, NUM_HEADS)
+    steps.place("s", ["A", "A", "A", "C"])
+    steps.step([SeqStep("s", 0, 12)])
+    before_c = _stats(pairs["C"])
+    rids = _reserve(pairs["C"], "s", 2)
+    executor = _executor(steps, {"s": 12}, tokens_per_step=8)
+    executor.offer(_order(8, pairs, "A", "C", rids))
+    executor.between_steps()
+    executor._copier.submit(lambda: None).result()
+    loop.run(server_a.stop(0))
+    executor.between_steps()
+    (result,) = executor.take_results()
+    assert result.num_moved == 0 and result.error.startswith("UNAVAILABLE")
+    assert [ref.holder for ref in steps.dist.block_table("s")] == ["A", "A", "A", "C"]
+    for rid in rids:  # the manager's cancels: both were committed and freed again, so both are unknown now
+        with pytest.raises(grpc.RpcError):
+            pairs["C"].stub.CancelReservation(pb.CancelReservationRequest(reservation_id=rid), timeout=TIMEOUT)
+    assert _stats(pairs["C"]) == before_c

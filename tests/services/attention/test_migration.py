@@ -235,11 +235,17 @@ def _staged_without_reservation(header: pb.BlockTransferHeader) -> None:
     header.stage = True
 
 
+def _staged_into_reservation_zero(header: pb.BlockTransferHeader) -> None:
+    header.stage = True  # 0 reserves on arrival: an id nobody could commit or cancel
+    header.reservation_ids[:] = [0]
+
+
 @pytest.mark.parametrize(
     ("mutate", "details"),
     [
         (_huge, "the header gives 3 block_indices for payload shape [2, 3, 1000000000000"),
         (_staged_without_reservation, "a staged import lands in a reservation: set reservation_id"),
+        (_staged_into_reservation_zero, "a staged import lands in a reservation: set reservation_id"),
     ],
 )
 def test_a_bad_header_is_refused_before_any_data(source, make_server, mutate, details):
@@ -354,14 +360,19 @@ def test_a_bad_set_of_reservations_is_refused_before_any_data(source, make_serve
     assert _stats(stub_c)[2] == (3 if case == "foreign" else 2)  # both reservations untouched
 
 
-def test_a_failed_import_into_several_reservations_cancels_them_all(source, make_server):
+@pytest.mark.parametrize("case", ["short", "repeated_index"])
+def test_a_failed_import_into_several_reservations_cancels_them_all(source, make_server, case):
+    """One chunk short, or indices that the second reservation's commit would refuse after the first's
+    (checked for all before anything is written): nothing stays reserved or committed."""
     stub_a, _ = source
     _, stub_c = make_server(8, LAYOUT, "C")
     rids = [stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=n), timeout=TIMEOUT).reservation_id
             for n in (2, 1)]  # fmt: skip
     chunks = _export(stub_a)
     chunks[0].header.reservation_ids[:] = rids
+    if case == "repeated_index":
+        chunks[0].header.block_indices[:] = [0, 1, 1]
     with pytest.raises(grpc.RpcError) as info:
-        stub_c.ImportBlocks(iter(chunks[:-1]), timeout=TIMEOUT)  # one chunk short
+        stub_c.ImportBlocks(iter(chunks[:-1] if case == "short" else chunks), timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert _stats(stub_c) == (8, 0, 0)

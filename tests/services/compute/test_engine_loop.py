@@ -148,3 +148,32 @@ def test_a_server_holding_an_rblock_the_block_table_does_not_put_there_refuses_t
     for pair in pairs.values():  # the leftover freed with the rest
         stats = pair.stub.GetStats(pb.GetStatsRequest(), timeout=10)
         assert (stats.num_free, stats.num_reserved, stats.num_sequences) == (BLOCKS, 0, 0)
+
+
+def test_a_migration_order_whose_sequence_ended_settles_while_the_loop_idles(loop_over_servers):
+    """An order reaches an idle instance (its sequence finished meanwhile): offering it wakes the engine
+    thread, which ends it at once ("no longer running", nothing moved) instead of at the next request's first
+    step; the manager then cancels its reservations and the destination is back to baseline."""
+    import time
+
+    from infinite_llm.services.compute.migration import Order
+    from infinite_llm.services.compute.server import ComputeConfig, migration_executor
+
+    loop, pairs = loop_over_servers
+    config = ComputeConfig(manager_address="127.0.0.1:1", block_size=4)
+    executor = migration_executor(loop, loop.engine.kv, config)
+    done = Collected()
+    loop.submit("ended-1", list(range(10, 19)), PARAMS, done)
+    assert done.done.wait(120) and done.error is None
+    request = pb.ReserveBlocksRequest(seq_id="ended-1", num_blocks=1)
+    rids = [pairs["B"].stub.ReserveBlocks(request, timeout=10).reservation_id for _ in range(2)]
+    executor.offer(Order(1, "ended-1", "A", pairs["A"].address, "B", pairs["B"].address, rids))
+    deadline, results = time.monotonic() + 10, []
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.02)
+        results = executor.take_results()
+    assert [(r.migration_id, r.num_moved, r.error) for r in results] == [(1, 0, "the sequence is no longer running")]
+    for rid in rids:  # what the manager does on settling
+        pairs["B"].stub.CancelReservation(pb.CancelReservationRequest(reservation_id=rid), timeout=10)
+    stats = pairs["B"].stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    assert (stats.num_free, stats.num_reserved, stats.num_sequences) == (BLOCKS, 0, 0)
