@@ -6,12 +6,12 @@ overlaps the steps; only the switch happens between two of them. :meth:`Migratio
 (engine thread) starts, on a worker thread, the copy of at most ``tokens_per_step // block_size`` rBlocks
 (at least one; ``--migration-tokens-per-step``, default 16): one ExportBlocks of them from the source, one
 ImportBlocks into their reservations on the destination, *staged* (written, still reserved, read by no
-step). At the next call it waits for that copy (normally done long before: it ran during the step),
-commits each staged rBlock at its logical index (CommitBlocks), frees those indices on the source (one
-FreeSequence), flips those entries of the block table (:meth:`DistAttention.replace_table`), and starts
-the next copy. No step runs
-between a commit and the flip, so no step sees an rBlock twice or not at all: the old copy serves every
-step until the flip. Only full rBlocks move (below ``num_computed_tokens // block_size``): their KV never
+step). At the next call, if the copy is done (normally long before: it ran during the step; else at a
+later call, the source serving meanwhile, so the budget is a ceiling that a slow copy lowers), it commits
+each staged rBlock at its logical index (CommitBlocks), frees those indices on the source (one
+FreeSequence), flips those entries of the block table (:meth:`DistAttention.replace_table`), and starts the
+next copy. No step runs between a commit and the flip, so no step sees an rBlock twice or not at all: the
+old copy serves every step until the flip. Only full rBlocks move (below ``num_computed_tokens // block_size``): their KV never
 changes again. Any failure stops the order and leaves the source authoritative for what did not move (a
 committed copy whose source could not be freed is freed on the destination instead); the manager settles
 the rest from the :class:`MigrationResult` (sent with the next heartbeat) and cancels the reservations
@@ -113,11 +113,11 @@ class MigrationExecutor:
         computed: ``seq_id -> num_computed_tokens`` of a running sequence, ``None`` when it is not running.
         tokens_per_step: the migration budget per step (tokens); ``block_size`` divides it into rBlocks.
         timeout_s: deadline of each RPC (seconds).
-        on_paced: told, after each call of ``between_steps`` that moved an rBlock, the seconds that call spent
-            (waiting for the copy, switching, starting the next copy) and the seconds of the step run since the
-            previous call that worked on an order (0 for the first): their ratio is what migration costs the
-            engine thread while it lasts (PAPER.md: 8.6% of throughput at 32 tokens per step). What the copy
-            running beside a step costs that step shows in the step's own time.
+        on_paced: told, after each call of ``between_steps`` that worked on an order (a copy in flight, started
+            or switched; not one that only waits for rBlocks to fill), the seconds that call spent and the
+            seconds of the step run since the previous such call (0 when there was none just before): their
+            ratio is what migration costs the engine thread while it lasts (PAPER.md: 8.6% of throughput at 32
+            tokens per step). What the copy running beside a step costs that step shows in the step's own time.
     """
 
     def __init__(
@@ -149,6 +149,10 @@ class MigrationExecutor:
         if self.on_offer is not None:
             self.on_offer()
 
+    def flush(self) -> None:
+        """Wait until the copy in flight, if any, is done (it is switched at the next call)."""
+        self._copier.submit(lambda: None).result()  # one worker: runs after the copy
+
     def settle_idle(self) -> None:
         """Engine thread, while no sequence runs: end every queued order (each one's sequence is no longer
         running), once its copy in flight, if any, is done."""
@@ -175,7 +179,7 @@ class MigrationExecutor:
         if order is None:
             self._last_done = None
             return
-        started, moved = time.perf_counter(), order.moved
+        started, moved, copying = time.perf_counter(), order.moved, order.copying is not None
         try:
             self._advance(order)
         except grpc.RpcError as e:
@@ -189,14 +193,17 @@ class MigrationExecutor:
         if order.error or order.moved == order.num_blocks:
             self._finish(order)
         done = time.perf_counter()
-        if self._on_paced is not None and order.moved > moved:  # steps that only wait for rBlocks cost nothing
+        working = copying or order.copying is not None or order.moved > moved  # not only waiting for rBlocks
+        if self._on_paced is not None and working:
             self._on_paced(done - started, 0.0 if self._last_done is None else started - self._last_done)
-        self._last_done = done
+        self._last_done = done if working else None
 
     def _advance(self, order: Order) -> None:
         computed = self._computed(order.seq_id)
         if order.copying is not None:
-            copy, order.copying = order.copying.result(), None  # normally done: it ran during the step
+            if computed is not None and not order.copying.done():
+                return  # slower than the step (a fast accelerator step): the source serves on, switch later
+            copy, order.copying = order.copying.result(), None
             if computed is not None:
                 self._switch(order, copy)
         if computed is None:

@@ -4,6 +4,7 @@ destination, free on the source, block-table flip), and every step's merged atte
 causal attention over all the K/V so far. A failed migration leaves the source serving and nothing held on
 the destination."""
 
+import threading
 import time
 
 import grpc
@@ -41,6 +42,12 @@ def _executor(steps: Steps, computed: dict[str, int], tokens_per_step: int) -> M
     return MigrationExecutor(steps.dist, computed.get, tokens_per_step, timeout_s=TIMEOUT)
 
 
+def _between_steps(executor: MigrationExecutor) -> None:
+    """The copy the previous call started is done, as it normally is by the end of a step, then the call."""
+    executor.flush()
+    executor.between_steps()
+
+
 def _order(mid: int, pairs, src: str, dst: str, rids: list[int]) -> Order:
     return Order(mid, "s", src, pairs[src].address, dst, pairs[dst].address, rids)
 
@@ -55,11 +62,11 @@ def test_sequence_migrates_across_three_servers_mid_decode_with_exact_attention(
     executor.offer(_order(2, pairs, "B", "A", _reserve(pairs["A"], "s", 2)))  # rBlocks 4, 5: not full yet
     holders = []
     for pos in range(10, 30):
-        executor.between_steps()
+        _between_steps(executor)
         holders.append("".join(ref.holder for ref in steps.dist.block_table("s")))
         steps.step([SeqStep("s", pos, 1)])  # merged == dense over every K/V so far, or it raises
         computed["s"] = pos + 1
-    executor.between_steps()
+    _between_steps(executor)
     results = executor.take_results()
     assert [(r.migration_id, r.num_blocks, r.num_moved, r.error) for r in results] == [(1, 3, 3, ""), (2, 2, 2, "")]
     assert [r.bytes_moved for r in results] == [3 * LAYOUT.bytes_per_block, 2 * LAYOUT.bytes_per_block]
@@ -83,9 +90,9 @@ def test_failed_import_leaves_the_source_serving_and_nothing_on_the_destination(
     table = steps.dist.block_table("s")
     # The manager's reservations on C are gone (expired, or the destination restarted): the import is refused.
     executor.offer(_order(7, pairs, "A", "C", [987654, 987655]))
-    executor.between_steps()  # starts the copy: the staged import is refused
+    _between_steps(executor)  # starts the copy: the staged import is refused
     assert executor.take_results() == []
-    executor.between_steps()  # sees the failure, switches nothing
+    _between_steps(executor)  # sees the failure, switches nothing
     (result,) = executor.take_results()
     assert (result.num_moved, result.bytes_moved) == (0, 0) and result.error.startswith("NOT_FOUND")
     assert steps.dist.block_table("s") == table
@@ -107,8 +114,8 @@ def test_destination_killed_mid_migration_keeps_the_rest_on_the_source(make_serv
     a_before = _stats(pairs["A"])
     loop.run(server_c.stop(0))  # the destination dies before the first rBlock lands
     executor.offer(Order(3, "s", "A", pairs["A"].address, "C", server_c.address, rids))
-    executor.between_steps()  # starts the copy
-    executor.between_steps()  # sees it failed
+    _between_steps(executor)  # starts the copy
+    _between_steps(executor)  # sees it failed
     (result,) = executor.take_results()
     assert result.num_moved == 0 and result.error.startswith("UNAVAILABLE")
     assert "".join(r.holder for r in steps.dist.block_table("s")) == "AAAB"
@@ -122,7 +129,7 @@ def test_an_order_for_a_finished_sequence_ends_without_moving(cluster):
     pairs, steps = cluster
     executor = _executor(steps, {}, tokens_per_step=16)
     executor.offer(_order(9, pairs, "A", "C", _reserve(pairs["C"], "s", 1)))
-    executor.between_steps()
+    _between_steps(executor)
     (result,) = executor.take_results()
     assert (result.num_moved, result.error) == (0, "the sequence is no longer running")
 
@@ -169,9 +176,9 @@ def test_a_shared_block_moves_with_all_its_readers(make_pair):
     rids = [pairs["C"].stub.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="r", num_blocks=1), timeout=TIMEOUT)
             for _ in range(2)]  # fmt: skip
     executor.offer(Order(1, "r", "A", pairs["A"].address, "C", pairs["C"].address, [r.reservation_id for r in rids]))
-    executor.between_steps()  # copies both during the (here absent) step: staged on C, reserved, uncached
+    _between_steps(executor)  # copies both during the (here absent) step: staged on C, reserved, uncached
     assert pairs["C"].stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached == 0
-    executor.between_steps()  # commits them (cached now), frees them on A, flips r's table
+    _between_steps(executor)  # commits them (cached now), frees them on A, flips r's table
     (moved,) = executor.take_results()
     assert (moved.num_moved, moved.error, list(moved.cached_hashes), moved.block_indices) == (2, "", hashes, ())
     assert [ref.holder for ref in steps.dist.block_table("r")] == ["C", "C", "C"]
@@ -193,7 +200,7 @@ def test_a_shared_block_moves_with_all_its_readers(make_pair):
     assert list(held.block_ids) == r_blocks
     steps.step([SeqStep("w", 10, 1)])  # until w's instance flips, C's table for w is unchanged: w steps on
     executor.offer(Order(2, "w", "A", pairs["A"].address, "C", pairs["C"].address, [held.reservation_id], [0, 1]))
-    executor.between_steps()
+    _between_steps(executor)
     (reattached,) = executor.take_results()
     assert (reattached.num_moved, reattached.error, reattached.block_indices) == (2, "", (0, 1))
     assert [ref.holder for ref in steps.dist.block_table("w")] == ["C", "C", "A"]
@@ -221,7 +228,7 @@ def test_a_reattach_order_does_nothing_if_an_entry_is_no_longer_on_the_source(ma
     rid = _reserve(pairs["C"], "w", 1)[0]
     executor = MigrationExecutor(steps.dist, {"w": 10}.get, 16, timeout_s=TIMEOUT)
     executor.offer(Order(5, "w", "A", pairs["A"].address, "C", pairs["C"].address, [rid], [0, 1]))
-    executor.between_steps()
+    _between_steps(executor)
     (result,) = executor.take_results()
     assert (result.num_moved, result.error) == (0, "rBlock 0 of the sequence is no longer on A")
     assert steps.dist.block_table("w") == table
@@ -230,9 +237,9 @@ def test_a_reattach_order_does_nothing_if_an_entry_is_no_longer_on_the_source(ma
 
 
 def test_the_executor_reports_its_pace_moving_time_against_the_steps_between(cluster):
-    """``on_paced`` gets, per call that moves rBlocks, the seconds it spent and the seconds since the previous
-    call that worked on an order (the step in between, during which the copy ran); a call that only starts a
-    copy reports nothing, nor does a call with no order."""
+    """``on_paced`` gets, per call that works on an order (starts, waits for or switches a copy), the seconds it
+    spent and the seconds since the previous such call (the step in between, during which the copy ran; 0 for
+    the call that starts the order); a call with no order reports nothing."""
     pairs, steps = cluster
     computed = {"s": 0}
     paced: list[tuple[float, float]] = []
@@ -241,20 +248,40 @@ def test_the_executor_reports_its_pace_moving_time_against_the_steps_between(clu
     )
     steps.step([SeqStep("s", 0, 10)])
     computed["s"] = 10
-    executor.between_steps()  # no order yet: nothing reported
-    executor.offer(_order(1, pairs, "A", "C", _reserve(pairs["C"], "s", 2)))  # rBlocks 0 and 1, one per call
-    executor.between_steps()  # starts copying rBlock 0: nothing moved yet
+    _between_steps(executor)  # no order yet: nothing reported
     assert paced == []
+    executor.offer(_order(1, pairs, "A", "C", _reserve(pairs["C"], "s", 2)))  # rBlocks 0 and 1, one per call
+    _between_steps(executor)  # starts copying rBlock 0
     time.sleep(0.2)  # stands for a step
-    executor.between_steps()  # switches rBlock 0, starts copying rBlock 1
+    _between_steps(executor)  # switches rBlock 0, starts copying rBlock 1
     time.sleep(0.3)
-    executor.between_steps()  # switches the second and ends the order
-    executor.between_steps()  # no order: nothing
-    assert len(paced) == 2
-    (moving_1, stepping_1), (moving_2, stepping_2) = paced
-    assert moving_1 > 0 and moving_2 > 0
-    assert 0.2 <= stepping_1 < 0.2 + 1.0 and 0.3 <= stepping_2 < 0.3 + 1.0
+    _between_steps(executor)  # switches the second and ends the order
+    _between_steps(executor)  # no order: nothing
+    assert len(paced) == 3 and all(moving > 0 for moving, _ in paced)
+    assert [stepping for _, stepping in paced][0] == 0.0
+    assert 0.2 <= paced[1][1] < 0.2 + 1.0 and 0.3 <= paced[2][1] < 0.3 + 1.0
     assert [r.num_moved for r in executor.take_results()] == [2]
+
+
+def test_a_copy_slower_than_the_step_is_switched_at_a_later_call(cluster):
+    """The engine thread does not wait for a copy still running: the source serves the step on (exact), and
+    the call after the copy finished switches it."""
+    pairs, steps = cluster
+    executor = _executor(steps, {"s": 10}, tokens_per_step=4)
+    steps.step([SeqStep("s", 0, 10)])
+    gate = threading.Event()
+    executor._copier.submit(gate.wait, TIMEOUT)  # the worker is busy: the copy below queues behind this
+    executor.offer(_order(7, pairs, "A", "C", _reserve(pairs["C"], "s", 1)))
+    executor.between_steps()  # starts the copy (queued)
+    executor.between_steps()  # not done: nothing switched, no wait
+    assert executor.take_results() == [] and steps.dist.block_table("s")[0].holder == "A"
+    steps.step([SeqStep("s", 10, 1)])  # the source serves: exact
+    gate.set()
+    _between_steps(executor)
+    (result,) = executor.take_results()
+    assert (result.num_moved, result.error) == (1, "")
+    assert steps.dist.block_table("s")[0].holder == "C"
+    steps.step([SeqStep("s", 11, 1)])
 
 
 def test_a_sequence_that_ends_while_its_rblocks_are_copied_switches_nothing(cluster):
@@ -268,9 +295,9 @@ def test_a_sequence_that_ends_while_its_rblocks_are_copied_switches_nothing(clus
     rids = _reserve(pairs["C"], "s", 2)
     before_a, table = _stats(pairs["A"]), steps.dist.block_table("s")
     executor.offer(_order(4, pairs, "A", "C", rids))
-    executor.between_steps()
+    _between_steps(executor)
     del computed["s"]
-    executor.between_steps()
+    _between_steps(executor)
     (result,) = executor.take_results()
     assert (result.num_moved, result.error) == (0, "the sequence is no longer running")
     assert steps.dist.block_table("s") == table and _stats(pairs["A"]) == before_a
@@ -289,11 +316,11 @@ def test_an_entry_that_changed_while_copied_is_not_switched(cluster):
     executor = _executor(steps, {"s": 10}, tokens_per_step=8)
     steps.step([SeqStep("s", 0, 10)])
     executor.offer(_order(5, pairs, "A", "C", _reserve(pairs["C"], "s", 2)))
-    executor.between_steps()
+    _between_steps(executor)
     table = steps.dist.block_table("s")
     changed = BlockRef(HolderId("A"), BlockId(7))
     steps.dist.replace_table("s", [*table[:1], changed, *table[2:]])
-    executor.between_steps()
+    _between_steps(executor)
     (result,) = executor.take_results()
     assert (result.num_moved, result.error) == (1, "rBlock 1 of the sequence changed while it was copied")
     assert [r.holder for r in steps.dist.block_table("s")[:2]] == ["C", "A"]
@@ -310,10 +337,10 @@ def test_a_second_commit_refused_keeps_the_first_moved_and_the_rest_on_the_sourc
     steps.step([SeqStep("s", 0, 10)])
     rids = _reserve(pairs["C"], "s", 2)
     executor.offer(_order(6, pairs, "A", "C", rids))
-    executor.between_steps()
-    executor._copier.submit(lambda: None).result()  # the copy ran (one worker: queued after it)
+    _between_steps(executor)
+    executor.flush()  # the copy landed
     pairs["C"].stub.CancelReservation(pb.CancelReservationRequest(reservation_id=rids[1]), timeout=TIMEOUT)
-    executor.between_steps()
+    _between_steps(executor)
     (result,) = executor.take_results()
     assert (result.num_moved, result.error) == (1, f"NOT_FOUND: no reservation {rids[1]}")
     assert [ref.holder for ref in steps.dist.block_table("s")[:2]] == ["C", "A"]
@@ -334,10 +361,10 @@ def test_a_source_gone_before_the_switch_leaves_nothing_on_the_destination(make_
     rids = _reserve(pairs["C"], "s", 2)
     executor = _executor(steps, {"s": 12}, tokens_per_step=8)
     executor.offer(_order(8, pairs, "A", "C", rids))
-    executor.between_steps()
-    executor._copier.submit(lambda: None).result()
+    _between_steps(executor)
+    executor.flush()  # the copy landed
     loop.run(server_a.stop(0))
-    executor.between_steps()
+    _between_steps(executor)
     (result,) = executor.take_results()
     assert result.num_moved == 0 and result.error.startswith("UNAVAILABLE")
     assert [ref.holder for ref in steps.dist.block_table("s")] == ["A", "A", "A", "C"]
