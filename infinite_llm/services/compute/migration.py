@@ -11,11 +11,11 @@ later call, the source serving meanwhile, so the budget is a ceiling that a slow
 each staged rBlock at its logical index (CommitBlocks), frees those indices on the source (one
 FreeSequence), flips those entries of the block table (:meth:`DistAttention.replace_table`), and starts the
 next copy. No step runs between a commit and the flip, so no step sees an rBlock twice or not at all: the
-old copy serves every step until the flip. Only full rBlocks move (below ``num_computed_tokens // block_size``): their KV never
-changes again. Any failure stops the order and leaves the source authoritative for what did not move (a
-committed copy whose source could not be freed is freed on the destination instead); the manager settles
-the rest from the :class:`MigrationResult` (sent with the next heartbeat) and cancels the reservations
-not committed, staged ones included.
+old copy serves every step until the flip. Only full rBlocks move (below ``num_computed_tokens //
+block_size``): their KV never changes again. Any failure stops the order and leaves the source
+authoritative for what did not move (a committed copy whose source could not be freed is freed on the
+destination instead); the manager settles the rest from the :class:`MigrationResult` (sent with the next
+heartbeat) and cancels the reservations not committed, staged ones included.
 
 Shared rBlocks (prefix caching, issue 13) move with all their readers. The export carries the hash a block
 is cached under and the destination caches its copy under it; the result lists those hashes, and the
