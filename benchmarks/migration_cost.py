@@ -34,10 +34,8 @@ import os
 import statistics
 import threading
 import time
-import urllib.request
 
-from pooled_vs_static import MIGRATION_ENV, TEXT, scrape
-from prometheus_client.parser import text_string_to_metric_families
+from pooled_vs_static import MIGRATION_ENV, TEXT, scrape, scrape_many
 
 from infinite_llm.client import Client
 from infinite_llm.core.rmanager import KVLayout
@@ -77,14 +75,9 @@ class Stream(threading.Thread):
 
 def step_totals(address: str) -> tuple[float, float]:
     """The compute instance's ``(engine step seconds, steps)`` so far (one scrape)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    found = {"infinite_llm:engine_step_seconds_sum": 0.0, "infinite_llm:engine_step_seconds_count": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in found:
-                found[sample.name] += sample.value
-    return tuple(found.values())
+    names = ["infinite_llm:engine_step_seconds_sum", "infinite_llm:engine_step_seconds_count"]
+    seconds, steps = scrape_many(address, names)
+    return seconds, steps
 
 
 class Copier:
@@ -185,7 +178,6 @@ def measure(tokens_per_step: int, tokens: list[int], home_blocks: int, bytes_per
         filler = Stream(router, tokens[:filler_len], a.filler_new)
         wait_for(lambda: filler.tokens > 0 or filler.error, 600, "the filler's first token")
         long_ = Stream(router, tokens[1000 : 1000 + a.long_prompt], a.long_new, LONG_ID)
-        started = time.monotonic()
 
         def migrated() -> bool:  # an order ran, and no step has been counted under one for 3 s
             if scrape(manager, "infinite_llm:migrations_total") < 1:
@@ -200,7 +192,6 @@ def measure(tokens_per_step: int, tokens: list[int], home_blocks: int, bytes_per
         found = interference(compute, copier, a.windows, a.window_steps, [long_, *background])
         for s in (filler, long_, *background):
             s.join()
-        seconds = time.monotonic() - started
         time.sleep(3.0)  # the last results reach the manager with the next heartbeats
         errors = [s.error for s in (filler, long_, *background) if s.error is not None]
         return {
@@ -211,7 +202,6 @@ def measure(tokens_per_step: int, tokens: list[int], home_blocks: int, bytes_per
             "migrations": scrape(manager, "infinite_llm:migrations_total"),
             "rblocks": scrape(manager, "infinite_llm:migrated_rblocks_total"),
             "mib": scrape(manager, "infinite_llm:migrated_bytes_total") / 2**20,
-            "tok_s": (long_.tokens + sum(s.tokens for s in background)) / seconds,
             "errors": errors,
         }
 

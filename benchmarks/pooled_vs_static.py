@@ -206,9 +206,15 @@ def run_trace(clients: list[Client], trace: list[Request], instances: list[str] 
 
 
 def scrape(address: str, name: str) -> float:
+    return scrape_many(address, [name])[0]
+
+
+def scrape_many(address: str, names: list[str]) -> list[float]:
+    """The sum over labels of each sample ``name`` on ``address``'s /metrics page, from one read of it."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return [sum(s.value for s in samples if s.name == name) for name in names]
 
 
 def mesh_config(servers: int, home_bytes: int) -> MeshConfig:

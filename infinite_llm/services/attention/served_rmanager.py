@@ -263,8 +263,9 @@ class ServedRManager:
             return [self.reserve(seq_id, n)]
         if len(set(reservation_ids)) != len(reservation_ids):
             raise InvalidRequest(f"reservation ids repeat: {reservation_ids}", param="reservation_ids")
-        out = [Reservation(rid, self._reservation(rid)[1]) for rid in reservation_ids]
-        owners = {self._reservation(rid)[0] for rid in reservation_ids}
+        found = [self._reservation(rid) for rid in reservation_ids]  # (seq_id, block ids) each
+        out = [Reservation(rid, ids) for rid, (_, ids) in zip(reservation_ids, found, strict=True)]
+        owners = {owner for owner, _ in found}
         held = sum(len(r.block_ids) for r in out)
         if owners != {seq_id} or held != n:
             name = f"reservation {reservation_ids[0]}" if len(out) == 1 else f"reservations {reservation_ids}"
