@@ -3,6 +3,11 @@
 The manager keeps a member's key under an etcd lease that each heartbeat refreshes; a member that stops
 heartbeating (dies) vanishes when the lease expires. A heartbeat answered NOT_FOUND means the lease already
 expired (or the manager lost it): register again. An unreachable manager is retried every ``RETRY_S``.
+
+A stall of this process (SIGSTOP, a long pause) is seen by a watchdog task whose short timer fires late, wherever
+the stall caught the process: asleep between heartbeats or awaiting one. Only a heartbeat sent after the stall
+ended and answered OK proves the lease outlived it; one sent before (its reply read after the stall) proves
+nothing, since the lease may have lapsed while the process was stopped.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import grpc
 log = logging.getLogger(__name__)
 RETRY_S = 1.0  # wait before retrying an unreachable manager (seconds)
 MIN_HEARTBEAT_S = 0.5  # never heartbeat more often than this (seconds)
+WATCH_TICK_S = 0.1  # the stall watchdog's timer period (seconds)
 
 
 class LeaseKeeper:
@@ -38,43 +44,59 @@ class LeaseKeeper:
     ) -> None:
         self.name = name
         self._register, self._heartbeat, self._on_stalled = register, heartbeat, on_stalled
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
-        self.stalled_s = 0.0  # the longest lateness of this loop's timers since the last good heartbeat (s)
+        self.stalled_s = 0.0  # the longest stall not yet outlived by a good heartbeat (seconds)
+        self._stall_ended_at = float("-inf")  # loop time the latest stall was seen to end
         self._interval_s = RETRY_S
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"lease-{self.name}")
+        self._tasks = [
+            asyncio.create_task(self._run(), name=f"lease-{self.name}"),
+            asyncio.create_task(self._watch(), name=f"stall-watch-{self.name}"),
+        ]
 
     async def stop(self) -> None:
         """Stop heartbeating (the lease lapses after its TTL unless the member deregisters)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
 
     async def _run(self) -> None:
         while True:
             try:
                 await self._fence_if_stalled()
+                sent = asyncio.get_running_loop().time()
                 ttl = await self._register()
                 self.registered.set()
-                self.stalled_s, self._interval_s = 0.0, max(ttl / 3, MIN_HEARTBEAT_S)
+                self._interval_s = max(ttl / 3, MIN_HEARTBEAT_S)
+                self._outlived(sent)
                 while await self._beat():
-                    await self._sleep(self._interval_s)
+                    await asyncio.sleep(self._interval_s)
                 log.warning("lease of %s expired; registering again", self.name)
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("the manager refuses %s: %s; retrying", self.name, e.details())  # fix the config
                 else:
                     log.warning("manager unreachable (%s); retrying", e.code().name)
-                await self._sleep(RETRY_S)
+                await asyncio.sleep(RETRY_S)
 
-    async def _sleep(self, seconds: float) -> None:
+    async def _watch(self) -> None:
+        """Record every lateness of a ``WATCH_TICK_S`` timer of at least a heartbeat interval: a stall."""
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        await asyncio.sleep(seconds)
-        self.stalled_s = max(self.stalled_s, loop.time() - start - seconds)
+        while True:
+            due = loop.time() + WATCH_TICK_S
+            await asyncio.sleep(WATCH_TICK_S)
+            late = loop.time() - due
+            if late >= self._interval_s:
+                self.stalled_s = max(self.stalled_s, late)
+                self._stall_ended_at = loop.time()
+
+    def _outlived(self, sent: float) -> None:
+        """A call sent at loop time ``sent`` found the lease live: every stall that ended before it cost nothing."""
+        if self._stall_ended_at <= sent:
+            self.stalled_s = 0.0
 
     async def _fence_if_stalled(self) -> None:
         if self.registered.is_set() and self.stalled_s >= self._interval_s and self._on_stalled is not None:
@@ -84,11 +106,12 @@ class LeaseKeeper:
 
     async def _beat(self) -> bool:
         """One heartbeat; False when the manager no longer knows this member."""
+        sent = asyncio.get_running_loop().time()
         try:
             await self._heartbeat()
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return False
             raise
-        self.stalled_s = 0.0  # the lease is live: an earlier stall cost nothing
+        self._outlived(sent)
         return True
