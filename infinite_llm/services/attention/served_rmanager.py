@@ -280,6 +280,7 @@ class ServedRManager:
         payload: torch.Tensor,
         block_hashes: list[BlockHash] | None = None,
         stage: bool = False,
+        values_checked: bool = False,
     ) -> tuple[list[int], list[BlockHash]]:
         """Write ``payload`` (shape as :meth:`export_blocks`) into the reserved rBlocks (the reservations in
         order, as :meth:`begin_import` gave them), then commit them at logical ``block_indices``; a block with
@@ -289,7 +290,8 @@ class ServedRManager:
 
         With ``stage`` the rBlocks stay reserved (unread) with their hashes: :meth:`commit` publishes and
         caches them later, per reservation (returns ``(reserved block ids, [])``), :meth:`cancel` or expiry
-        drops them.
+        drops them. ``values_checked``: the caller already ran ``check_payload_values`` on ``payload`` (the
+        server does, outside the lock that steps take turns on).
 
         Raises ``NotFound`` (nothing written) when a reservation ended meanwhile (cancelled, expired, its
         sequence freed: its rBlocks may belong to another sequence by now), ``InvalidRequest`` (nothing
@@ -301,7 +303,8 @@ class ServedRManager:
         if hashes and len(hashes) != len(block_indices):
             raise InvalidRequest(f"{len(hashes)} block hashes for {len(block_indices)} blocks", param="block_hashes")
         _check_hashes([h for h in hashes if h])
-        check_payload_values(payload)
+        if not values_checked:
+            check_payload_values(payload)
         block_ids = [b for r in reservations for b in r.block_ids]
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.rm.k_cache.device)
         self.rm.k_cache.index_copy_(1, index, payload[0].to(self.rm.k_cache.device))

@@ -31,6 +31,7 @@ from infinite_llm.rpc import tensor_channel as tc
 from infinite_llm.services.attention.served_rmanager import ServedRManager
 from infinite_llm.services.attention.tensor_channels import TensorChannel, TensorChannels
 from infinite_llm.services.attention.types import ServerStep
+from infinite_llm.services.attention.validation import check_payload_values
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -333,8 +334,9 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
                 assembler.add(chunk.data)
             payload = codec.tensor_from_buffer(header.payload.dtype, shape, assembler.finish(), field="payload")
             hashes = list(header.block_hashes)
+            await asyncio.to_thread(check_payload_values, payload)  # outside the lock the steps take
             finish = self.holder.finish_import
-            ids, cached = await self._run(finish, reservations, indices, payload, hashes, header.stage)
+            ids, cached = await self._run(finish, reservations, indices, payload, hashes, header.stage, True)
         except BaseException:  # incl. a cancelled stream: the blocks never become readable
             await asyncio.shield(self._run(self._cancel_quietly, reservations))
             raise

@@ -161,6 +161,11 @@ class MigrationExecutor:
         for _ in range(pending):
             self.between_steps()
 
+    def close(self) -> None:
+        """At shutdown, after the engine thread stopped: the copy in flight, if any, runs to its end (its staged
+        rBlocks stay reserved, unread, until the reservation expires on the destination); none starts after."""
+        self._copier.shutdown(wait=False, cancel_futures=True)
+
     def take_results(self) -> list[MigrationResult]:
         with self._lock:
             out, self._results = self._results, []

@@ -150,8 +150,8 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     log.info("compute instance %s serving %s on %s:%d", config.instance_id, model_name, config.host, server.port)
     print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)
     registrar = registrar_for(config, server.port, loop, kv.placement.held_seq_ids)
-    if config.migration_tokens_per_step > 0:
-        registrar.migrations = migration_executor(loop, kv, config)
+    migrations = migration_executor(loop, kv, config) if config.migration_tokens_per_step > 0 else None
+    registrar.migrations = migrations
     registrar.start()
     if ready is not None:
         ready.set()
@@ -162,6 +162,8 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     await registrar.stop()  # routers stop sending new requests; the running ones drain below
     await server.stop(config.shutdown_grace_s)
     loop.stop()
+    if migrations is not None:
+        migrations.close()
 
 
 def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfig) -> MigrationExecutor:
