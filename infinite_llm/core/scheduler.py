@@ -222,6 +222,7 @@ class Scheduler:
             except Unavailable:  # placement unreachable: admit nobody this step
                 break
             if not grown:
+                self._unmatch(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -251,6 +252,15 @@ class Scheduler:
         cached = match(seq.seq_id, seq.all_token_ids)
         seq.num_computed_tokens = cached
         seq.num_blocks = cached // self.blocks.block_size
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """A waiting sequence that could not be admitted gives back the cached prefix it matched, as vLLM's
+        all-or-nothing ``allocate_slots`` does: held while waiting, two readers of one prefix (each preempted
+        in turn) could each hold what the other needs to grow, and neither would be admitted again."""
+        if seq.num_blocks:
+            self.blocks.free(seq.seq_id)
+            seq.num_blocks = 0
+            seq.num_computed_tokens = 0
 
     def _try_grow(self, seq: Sequence, num_new: int, lookahead: bool = False) -> bool:
         """Give ``seq`` the rBlocks its next ``num_new`` tokens need; False (nothing changed) if none. With

@@ -302,3 +302,35 @@ def test_lookahead_waits_while_sequences_wait_and_falls_back_to_the_exact_need()
     assert list(sched2.waiting) == [c2]
     out = sched2.schedule()  # a grows by exactly 1 while c waits; then c is admitted with the budget left
     assert placement2.calls == [1, 1, 1] and [s.seq.seq_id for s in out.scheduled] == ["a", "c"]
+
+
+def _prefix_sched(num_blocks, budget=64):  # noqa: ANN001, ANN202
+    holders = {partition_id(0): RManager(num_blocks, LAYOUT)}
+    kv = DistAttention(LocalPlacement(holders), LocalTransport(holders), LAYOUT.block_size, prefix_cache_model_id="m")
+    return Scheduler(SchedulerConfig(8, budget), kv), kv, holders[partition_id(0)]
+
+
+@pytest.mark.parametrize("num_blocks", [9, 10, 11, 12])
+def test_sequences_sharing_a_prefix_past_kv_memory_take_turns_instead_of_holding_each_other_up(num_blocks):
+    """Two readers of one cached prefix whose blocks together exceed KV memory: preemption must let one of
+    them finish. A waiting sequence whose admission fails keeps no reference to the cached prefix it matched
+    (vLLM's allocate_slots is all or nothing too); holding it, two waiting sequences each held what the other
+    needed, and neither was ever admitted again (seen on the mesh, issue 13's shared-prefix migration test)."""
+    sched, kv, rm = _prefix_sched(num_blocks)
+    w = Sequence("w", list(range(1, 17)), SamplingParams(max_tokens=20, temperature=0))  # 16 + 20 tokens: 9 blocks
+    r = Sequence("r", list(range(1, 17)) + [100, 101, 102, 103], SamplingParams(max_tokens=16, temperature=0))
+    sched.add(w)
+    _run(sched, sched.schedule())  # w's prompt computed: its 4 full blocks are cached
+    sched.add(r)  # reads them: 4 shared blocks, 9 in all
+    for _ in range(400):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        _run(sched, out)
+        for s in out.scheduled:
+            if len(s.seq.output_token_ids) == s.seq.params.max_tokens:
+                sched.finish(s.seq, "length")
+    assert not sched.has_unfinished(), f"stuck: waiting {[s.seq_id for s in sched.waiting]}, free {kv.num_free_blocks}"
+    assert (len(w.output_token_ids), len(r.output_token_ids)) == (20, 16)
+    assert sched.num_preemptions >= 1  # 14 distinct blocks: they did not fit together
+    assert kv.num_free_blocks == num_blocks and rm.sequences() == []

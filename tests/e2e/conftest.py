@@ -144,12 +144,18 @@ def _recoveries(meshes: list[LocalMesh]) -> dict[str, float]:
 def pytest_runtest_call(item):
     """No test recomputes a step unless it says so (``@pytest.mark.step_recoveries``, for tests that stop or
     kill an attention server): a recovery gives the same greedy tokens, so output checks cannot see one, yet
-    it means an attention server refused or failed a step (issue 13's first re-attach design did, hidden)."""
+    it means an attention server refused or failed a step (issue 13's first re-attach design did, hidden).
+    A test that fails keeps its meshes' logs (``LocalMesh.keep_logs``): the directory its message names."""
     meshes = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, LocalMesh)]
     before = _recoveries(meshes) if meshes else {}
-    result = yield  # a failed test raises here: its own error is the one reported
-    if meshes and item.get_closest_marker("step_recoveries") is None:
-        after = _recoveries(meshes)
-        grown = {name: after[name] - n for name, n in before.items() if after.get(name, n) > n}
-        assert not grown, f"steps recomputed after an attention server failed or refused them: {grown}"
+    try:
+        result = yield  # a failed test raises here: its own error is the one reported
+        if meshes and item.get_closest_marker("step_recoveries") is None:
+            after = _recoveries(meshes)
+            grown = {name: after[name] - n for name, n in before.items() if after.get(name, n) > n}
+            assert not grown, f"steps recomputed after an attention server failed or refused them: {grown}"
+    except BaseException:
+        for m in meshes:
+            m.keep_logs = True
+        raise
     return result

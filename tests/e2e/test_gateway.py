@@ -266,7 +266,7 @@ def test_a_chat_without_max_tokens_is_served_to_the_end_of_kv_memory_not_refused
     KV memory is served, ending where KV memory ends (``length``); an explicit max_tokens that cannot fit is
     still the clear 400 naming it."""
     kv_tokens = 3 * BLOCKS_PER_SERVER * BLOCK_SIZE  # 384: far below the default 512 new tokens
-    messages = [{"role": "user", "content": TEXT[:1000]}]
+    messages = [{"role": "user", "content": TEXT[:1500]}]  # 328 tokens: 56 to generate, not 146
     prompt_tokens = len(tokenizer.encode_chat(messages))
     assert 200 < prompt_tokens < kv_tokens - 16
     body = {"messages": messages, "temperature": 0, "ignore_eos": True}
