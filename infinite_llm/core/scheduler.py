@@ -213,6 +213,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             try:
+                if not self.blocks.num_free_blocks:  # admitting needs a new rBlock: match no prefix in vain
+                    break
                 self._match_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 grown = self._try_grow(seq, num_new)

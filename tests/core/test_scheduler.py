@@ -375,3 +375,41 @@ def test_random_workloads_on_shared_prefixes_all_finish_and_free_every_block():
     sequences gave back the prefixes they matched, 59 of these 300 stalled for good."""
     stuck = [why for ok, why in map(_shared_prefix_trial, range(300)) if not ok]
     assert stuck == [], stuck[:3]
+
+
+class _CountingMatches(LocalPlacement):
+    """In-process placement that counts prefix matches (a compute instance's MatchPrefix round trips)."""
+
+    def __init__(self, holders) -> None:  # noqa: ANN001
+        super().__init__(holders)
+        self.matches = 0
+
+    def match_prefix(self, seq_id, hashes):  # noqa: ANN001, ANN201
+        self.matches += 1
+        return super().match_prefix(seq_id, hashes)
+
+
+def test_a_waiting_sequence_is_not_matched_while_no_rblock_is_free():
+    """Admission always needs a new rBlock (a match never covers the last token), so while none is free
+    (evictable cached ones count as free) the waiting head is not matched and unmatched every step: on a
+    mesh each would be a ledger write and a release."""
+    holders = {partition_id(0): RManager(6, LAYOUT)}
+    placement = _CountingMatches(holders)
+    kv = DistAttention(placement, LocalTransport(holders), LAYOUT.block_size, prefix_cache_model_id="m")
+    sched = Scheduler(SchedulerConfig(8, 64), kv)
+    a = Sequence("a", list(range(1, 17)), SamplingParams(max_tokens=8, temperature=0))  # 23 tokens of KV: 6 rBlocks
+    b = Sequence("b", list(range(1, 17)) + [100], SamplingParams(max_tokens=2, temperature=0))
+    sched.add(a)
+    while kv.num_free_blocks:
+        _run(sched, sched.schedule())
+    sched.add(b)
+    matches = placement.matches
+    while len(a.output_token_ids) < 8:
+        out = sched.schedule()
+        assert [s.seq.seq_id for s in out.scheduled] == ["a"]
+        _run(sched, out)
+    assert placement.matches == matches  # b waited without a match while a held every rBlock
+    sched.finish(a, "length")
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_computed_tokens) for s in out.scheduled] == [("b", 16)]  # a's 4 cached blocks
+    assert placement.matches == matches + 1
