@@ -218,13 +218,14 @@ class Scheduler:
                 self._match_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 grown = self._try_grow(seq, num_new)
+                if not grown:
+                    self._unmatch(seq)
             except REQUEST_ERRORS as e:
                 failed.append(self._fail(seq, e))
                 continue  # it left the waiting queue
             except Unavailable:  # placement unreachable: admit nobody this step
                 break
             if not grown:
-                self._unmatch(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -258,11 +259,13 @@ class Scheduler:
     def _unmatch(self, seq: Sequence) -> None:
         """A waiting sequence that could not be admitted gives back the cached prefix it matched, as vLLM's
         all-or-nothing ``allocate_slots`` does: held while waiting, two readers of one prefix (each preempted
-        in turn) could each hold what the other needs to grow, and neither would be admitted again."""
+        in turn) could each hold what the other needs to grow, and neither would be admitted again. The
+        sequence forgets them before the release (which rides out a manager outage itself), so a release
+        error, which fails the request, leaves no stale count behind."""
         if seq.num_blocks:
-            self.blocks.free(seq.seq_id)
             seq.num_blocks = 0
             seq.num_computed_tokens = 0
+            self.blocks.free(seq.seq_id)
 
     def _try_grow(self, seq: Sequence, num_new: int, lookahead: bool = False) -> bool:
         """Give ``seq`` the rBlocks its next ``num_new`` tokens need; False (nothing changed) if none. With
