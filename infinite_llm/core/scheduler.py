@@ -217,15 +217,13 @@ class Scheduler:
                     break
                 self._match_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                grown = self._try_grow(seq, num_new)
-                if not grown:
+                if not self._try_grow(seq, num_new):
                     self._unmatch(seq)
+                    break
             except REQUEST_ERRORS as e:
                 failed.append(self._fail(seq, e))
                 continue  # it left the waiting queue
             except Unavailable:  # placement unreachable: admit nobody this step
-                break
-            if not grown:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -244,15 +244,21 @@ def test_a_request_while_no_kv_memory_is_registered_is_unavailable_not_too_large
 
 
 class _CountingPlacement(LocalPlacement):
-    """In-process placement that records each call's size (a compute instance's Place round trips)."""
+    """In-process placement that records each place call's size and counts prefix matches (a compute
+    instance's Place and MatchPrefix round trips)."""
 
     def __init__(self, holders) -> None:  # noqa: ANN001
         super().__init__(holders)
         self.calls: list[int] = []
+        self.matches = 0
 
     def place(self, seq_id, n, first_index):  # noqa: ANN001, ANN201
         self.calls.append(n)
         return super().place(seq_id, n, first_index)
+
+    def match_prefix(self, seq_id, hashes):  # noqa: ANN001, ANN201
+        self.matches += 1
+        return super().match_prefix(seq_id, hashes)
 
 
 def _lookahead_sched(num_blocks, lookahead, budget=64):  # noqa: ANN001, ANN202
@@ -307,9 +313,21 @@ def test_lookahead_waits_while_sequences_wait_and_falls_back_to_the_exact_need()
 
 
 def _prefix_sched(num_blocks, budget=64):  # noqa: ANN001, ANN202
+    """A prefix-caching scheduler over one rManager: ``(scheduler, kv, rmanager, placement)``."""
     holders = {partition_id(0): RManager(num_blocks, LAYOUT)}
-    kv = DistAttention(LocalPlacement(holders), LocalTransport(holders), LAYOUT.block_size, prefix_cache_model_id="m")
-    return Scheduler(SchedulerConfig(8, budget), kv), kv, holders[partition_id(0)]
+    placement = _CountingPlacement(holders)
+    kv = DistAttention(placement, LocalTransport(holders), LAYOUT.block_size, prefix_cache_model_id="m")
+    return Scheduler(SchedulerConfig(8, budget), kv), kv, holders[partition_id(0)], placement
+
+
+def _step_to_length(sched, token=7):  # noqa: ANN001, ANN202
+    """One step: schedule, pretend the model ran, finish the sequences that reached their max_tokens."""
+    out = sched.schedule()
+    _run(sched, out, token)
+    for s in out.scheduled:
+        if len(s.seq.output_token_ids) == s.seq.params.max_tokens:
+            sched.finish(s.seq, "length")
+    return out
 
 
 @pytest.mark.parametrize("num_blocks", [9, 10, 11, 12])
@@ -318,7 +336,7 @@ def test_sequences_sharing_a_prefix_past_kv_memory_take_turns_instead_of_holding
     them finish. A waiting sequence whose admission fails keeps no reference to the cached prefix it matched
     (vLLM's allocate_slots is all or nothing too); holding it, two waiting sequences each held what the other
     needed, and neither was ever admitted again (seen on the mesh, issue 13's shared-prefix migration test)."""
-    sched, kv, rm = _prefix_sched(num_blocks)
+    sched, kv, rm, _ = _prefix_sched(num_blocks)
     w = Sequence("w", list(range(1, 17)), SamplingParams(max_tokens=20, temperature=0))  # 16 + 20 tokens: 9 blocks
     r = Sequence("r", list(range(1, 17)) + [100, 101, 102, 103], SamplingParams(max_tokens=16, temperature=0))
     sched.add(w)
@@ -327,11 +345,7 @@ def test_sequences_sharing_a_prefix_past_kv_memory_take_turns_instead_of_holding
     for _ in range(400):
         if not sched.has_unfinished():
             break
-        out = sched.schedule()
-        _run(sched, out)
-        for s in out.scheduled:
-            if len(s.seq.output_token_ids) == s.seq.params.max_tokens:
-                sched.finish(s.seq, "length")
+        _step_to_length(sched)
     assert not sched.has_unfinished(), f"stuck: waiting {[s.seq_id for s in sched.waiting]}, free {kv.num_free_blocks}"
     assert (len(w.output_token_ids), len(r.output_token_ids)) == (20, 16)
     assert sched.num_preemptions >= 1  # 14 distinct blocks: they did not fit together
@@ -344,7 +358,7 @@ def _shared_prefix_trial(seed: int) -> tuple[bool, str]:
     max_tokens and the pool is back to baseline, what is left when not)."""
     rng = random.Random(seed)
     num_blocks = rng.randint(8, 24)
-    sched, kv, rm = _prefix_sched(num_blocks, budget=rng.choice([4, 8, 16, 64]))
+    sched, kv, rm, _ = _prefix_sched(num_blocks, budget=rng.choice([4, 8, 16, 64]))
     prefixes = [[rng.randint(1, 50) for _ in range(rng.randint(0, 20))] for _ in range(3)]
     arrivals = []
     for i in range(rng.randint(2, 8)):
@@ -358,11 +372,7 @@ def _shared_prefix_trial(seed: int) -> tuple[bool, str]:
             sched.add(seq)
         if step > 30 and not sched.has_unfinished():
             break
-        out = sched.schedule()
-        _run(sched, out, token=rng.randint(1, 3))
-        for s in out.scheduled:
-            if len(s.seq.output_token_ids) == s.seq.params.max_tokens:
-                sched.finish(s.seq, "length")
+        _step_to_length(sched, token=rng.randint(1, 3))
     seqs = [s for _, s in arrivals]
     done = all(len(s.output_token_ids) == s.params.max_tokens and s.status is SequenceStatus.FINISHED for s in seqs)
     baseline = kv.num_free_blocks == num_blocks and rm.sequences() == []
@@ -377,26 +387,11 @@ def test_random_workloads_on_shared_prefixes_all_finish_and_free_every_block():
     assert stuck == [], stuck[:3]
 
 
-class _CountingMatches(LocalPlacement):
-    """In-process placement that counts prefix matches (a compute instance's MatchPrefix round trips)."""
-
-    def __init__(self, holders) -> None:  # noqa: ANN001
-        super().__init__(holders)
-        self.matches = 0
-
-    def match_prefix(self, seq_id, hashes):  # noqa: ANN001, ANN201
-        self.matches += 1
-        return super().match_prefix(seq_id, hashes)
-
-
 def test_a_waiting_sequence_is_not_matched_while_no_rblock_is_free():
     """Admission always needs a new rBlock (a match never covers the last token), so while none is free
     (evictable cached ones count as free) the waiting head is not matched and unmatched every step: on a
     mesh each would be a ledger write and a release."""
-    holders = {partition_id(0): RManager(6, LAYOUT)}
-    placement = _CountingMatches(holders)
-    kv = DistAttention(placement, LocalTransport(holders), LAYOUT.block_size, prefix_cache_model_id="m")
-    sched = Scheduler(SchedulerConfig(8, 64), kv)
+    sched, kv, _, placement = _prefix_sched(6)
     a = Sequence("a", list(range(1, 17)), SamplingParams(max_tokens=8, temperature=0))  # 23 tokens of KV: 6 rBlocks
     b = Sequence("b", list(range(1, 17)) + [100], SamplingParams(max_tokens=2, temperature=0))
     sched.add(a)
