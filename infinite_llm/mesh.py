@@ -206,8 +206,9 @@ class LocalMesh:
         args = ["--manager", self.manager_address, "--discovery-interval", str(self.config.discovery_interval_s)]
         return self._spawn("router", name, port or free_port(), [*args, *self._model_args()], shutdown_grace_s)
 
-    def spawn_attention(self, name: str) -> Proc:
-        """Start one more attention server (also used by tests that add or kill servers)."""
+    def spawn_attention(self, name: str, kv_memory_bytes: int | None = None) -> Proc:
+        """Start one more attention server (also used by tests that add or kill servers) with
+        ``kv_memory_bytes`` of KV memory (default: the mesh's ``kv_memory_bytes``)."""
         c = self.config
         return self._spawn(
             "attention",
@@ -217,7 +218,7 @@ class LocalMesh:
                 "--server-id",
                 name,
                 "--kv-memory",
-                str(c.kv_memory_bytes),
+                str(c.kv_memory_bytes if kv_memory_bytes is None else kv_memory_bytes),
                 "--block-size",
                 str(c.block_size),
                 "--transport",

@@ -15,7 +15,14 @@ from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.mesh import LocalMesh
 from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
-from tests.e2e.conftest import all_blocks_free, mesh_channel, mesh_config, wait_until
+from tests.e2e.conftest import (
+    BLOCKS_PER_SERVER,
+    BYTES_PER_BLOCK,
+    all_blocks_free,
+    mesh_channel,
+    mesh_config,
+    wait_until,
+)
 from tests.e2e.test_observability import scrape, value
 
 TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
@@ -23,10 +30,12 @@ TEXT = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()
 
 @pytest.fixture(scope="module")
 def home_mesh(default_model_path):
-    """compute-0 with one home server (attn-0, 8 rBlocks); attn-1 and attn-2 join after start, nobody's home."""
+    """compute-0 with one home server (attn-0, 8 rBlocks); attn-1 and attn-2 (16 rBlocks each) join after
+    start, nobody's home. The 40 rBlocks hold each test's sequences whole (34 at most): a sequence preempted
+    for memory would give up its rBlocks, and with them the move or re-attach a test waits for."""
     with LocalMesh(mesh_config(attention_servers=1, compute_instances=1)) as m:
-        m.spawn_attention("attn-1")
-        m.spawn_attention("attn-2")
+        m.spawn_attention("attn-1", kv_memory_bytes=2 * BLOCKS_PER_SERVER * BYTES_PER_BLOCK)
+        m.spawn_attention("attn-2", kv_memory_bytes=2 * BLOCKS_PER_SERVER * BYTES_PER_BLOCK)
         m.wait_registered(3)
         yield m
 
@@ -80,7 +89,7 @@ def test_a_shared_prefix_migrates_with_both_readers_and_keeps_their_greedy_outpu
             started.set()
         return out
 
-    hits_before = _prefix_hits(mesh)
+    hits_before, preempted_before = _compute_stats(mesh)
     w_started = threading.Event()
     with Client(mesh.router_address) as client, concurrent.futures.ThreadPoolExecutor(3) as pool:
         first = pool.submit(client.generate, short, max_tokens=24, **params)  # fills most of the home
@@ -90,8 +99,9 @@ def test_a_shared_prefix_migrates_with_both_readers_and_keeps_their_greedy_outpu
         time.sleep(1.0)  # w's full rBlocks are published right after its prefill step
         reader = pool.submit(client.generate, asked, max_tokens=110, **params)
         out_short, out_w, out_r = first.result(timeout=600), writer.result(timeout=600), reader.result(timeout=600)
-    # r's 9 document blocks at least (a sequence preempted for memory and resumed also hits its own blocks)
-    assert _prefix_hits(mesh) - hits_before >= 9 * 16, "r did not read w's cached document"
+    hits, preempted = _compute_stats(mesh)
+    assert preempted == preempted_before, "a reader was preempted: the mesh is too small for this test"
+    assert hits - hits_before == 9 * 16, "r did not read w's cached document"
     want = [
         local.generate([ids], SamplingParams(max_tokens=n, **params))[0].token_ids
         for ids, n in ((short, 24), (doc, 150), (asked, 110))
@@ -104,8 +114,9 @@ def test_a_shared_prefix_migrates_with_both_readers_and_keeps_their_greedy_outpu
     assert wait_until(lambda: all_blocks_free(mesh), timeout_s=20)
 
 
-def _prefix_hits(mesh: LocalMesh) -> int:
-    """Prefix-cache hits (tokens) of the mesh's compute instance."""
+def _compute_stats(mesh: LocalMesh) -> tuple[int, int]:
+    """Prefix-cache hits (tokens) and preemptions of the mesh's compute instance."""
     (compute,) = mesh.compute_instances()
     with mesh_channel(compute.address, "router") as ch:
-        return cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=5).prefix_cache_hits
+        stats = cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=5)
+    return stats.prefix_cache_hits, stats.num_preemptions
