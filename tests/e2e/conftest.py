@@ -23,6 +23,8 @@ from infinite_llm.mesh import LocalMesh, MeshConfig
 from infinite_llm.models.registry import load_tokenizer, resolve_model
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
+from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
+from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.rpc.certs import write_tls_dir
 from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.rpc.tls import TLS_DIR_ENV, load_tls_dir
@@ -105,6 +107,12 @@ def _free_port() -> int:
 def server_stats(address: str) -> apb.GetStatsResponse:
     with mesh_channel(address) as ch:
         return agrpc.AttentionServerStub(ch).GetStats(apb.GetStatsRequest(), timeout=5)
+
+
+def compute_stats(address: str) -> cpb.ComputeStatsResponse:
+    """A compute instance's counters (asked as the router, the role its GetStats admits)."""
+    with mesh_channel(address, "router") as ch:
+        return cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=5)
 
 
 def all_blocks_free(mesh: LocalMesh) -> bool:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import time
 
 from infinite_llm.client import Client
-from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.services.admin import cluster_state
-from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, mesh_channel, wait_until
+from tests.e2e.conftest import BLOCK_SIZE, BLOCKS_PER_SERVER, all_blocks_free, compute_stats, mesh_channel, wait_until
 
 LEASE_S = 3  # the e2e mesh's member TTL
 
@@ -23,8 +22,7 @@ def _listed(mesh) -> dict[str, str]:
 
 
 def _generated(address: str) -> int:
-    with mesh_channel(address, "router") as ch:
-        return cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=5).generated_tokens
+    return compute_stats(address).generated_tokens
 
 
 def _ask(mesh, n: int) -> None:

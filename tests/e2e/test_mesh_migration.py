@@ -13,13 +13,11 @@ import pytest
 from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.mesh import LocalMesh
-from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
-from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from tests.e2e.conftest import (
     BLOCKS_PER_SERVER,
     BYTES_PER_BLOCK,
     all_blocks_free,
-    mesh_channel,
+    compute_stats,
     mesh_config,
     wait_until,
 )
@@ -34,8 +32,8 @@ def home_mesh(default_model_path):
     start, nobody's home. The 40 rBlocks hold each test's sequences whole (34 at most): a sequence preempted
     for memory would give up its rBlocks, and with them the move or re-attach a test waits for."""
     with LocalMesh(mesh_config(attention_servers=1, compute_instances=1)) as m:
-        m.spawn_attention("attn-1", kv_memory_bytes=2 * BLOCKS_PER_SERVER * BYTES_PER_BLOCK)
-        m.spawn_attention("attn-2", kv_memory_bytes=2 * BLOCKS_PER_SERVER * BYTES_PER_BLOCK)
+        for name in ("attn-1", "attn-2"):
+            m.spawn_attention(name, kv_memory_bytes=2 * BLOCKS_PER_SERVER * BYTES_PER_BLOCK)
         m.wait_registered(3)
         yield m
 
@@ -117,6 +115,5 @@ def test_a_shared_prefix_migrates_with_both_readers_and_keeps_their_greedy_outpu
 def _compute_stats(mesh: LocalMesh) -> tuple[int, int]:
     """Prefix-cache hits (tokens) and preemptions of the mesh's compute instance."""
     (compute,) = mesh.compute_instances()
-    with mesh_channel(compute.address, "router") as ch:
-        stats = cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=5)
+    stats = compute_stats(compute.address)
     return stats.prefix_cache_hits, stats.num_preemptions

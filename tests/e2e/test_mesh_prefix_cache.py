@@ -14,11 +14,18 @@ import pytest
 
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.mesh import LocalMesh
-from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.services.admin import cluster_state
-from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, all_blocks_free, mesh_channel, mesh_config, wait_until
+from tests.e2e.conftest import (
+    BLOCK_SIZE,
+    BYTES_PER_BLOCK,
+    all_blocks_free,
+    compute_stats,
+    mesh_channel,
+    mesh_config,
+    wait_until,
+)
 from tests.e2e.test_mesh_generation import TEXT
 
 BLOCKS_PER_SERVER = 12
@@ -70,8 +77,7 @@ def _tokens(replies: list[gpb.GenerateResponse]) -> list[int]:
 
 def _cache_stats(address: str) -> tuple[int, int]:
     """``(prefix_cache_queries, prefix_cache_hits)`` of a compute instance, in tokens."""
-    with mesh_channel(address, "router") as ch:
-        s = cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=5)
+    s = compute_stats(address)
     return s.prefix_cache_queries, s.prefix_cache_hits
 
 
