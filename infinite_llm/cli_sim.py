@@ -2,12 +2,14 @@
 
 Prints, per model of the setting, the throughput of pooled KV (the real placement and planner), static
 per-instance KV and one big instance on a short- and a long-context trace, then the ratios beside the
-paper's (PAPER.md "Evaluation"). Pure simulation: no model, no network; the output is deterministic in
-``--seed``.
+paper's (PAPER.md "Evaluation"); with ``--open-loop`` (the default) also the short trace's pooled / static
+ratio at the highest Poisson request rate each keeps within a queueing-delay SLO. Pure simulation: no
+model, no network; the output is deterministic in ``--seed``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -26,6 +28,19 @@ def simulate(
     planner: Annotated[bool, typer.Option(help="Run the manager's planner in pooled mode (off: placement only).")] = (
         True
     ),
+    open_loop: Annotated[
+        bool,
+        typer.Option(
+            help="Also search each mode's highest Poisson request rate within the SLO on the short trace "
+            "(about 7 more runs per mode and model)."
+        ),
+    ] = True,
+    slo_wait_s: Annotated[
+        float | None,
+        typer.Option(
+            "--slo-wait-s", min=0.001, help="p90 queueing delay (s) of the open-loop search (default: the setting's)."
+        ),
+    ] = None,
 ) -> None:
     """Simulate pooled vs static vs one-big-instance serving and print the ratios beside the paper's."""
     from infinite_llm.sim.calibration import load_calibration
@@ -34,6 +49,8 @@ def simulate(
     if setting not in SETTINGS:
         raise typer.BadParameter(f"unknown setting {setting!r}; use {' or '.join(SETTINGS)}", param_hint="--setting")
     chosen = SETTINGS[setting]
+    if slo_wait_s is not None:
+        chosen = replace(chosen, slo_wait_s=slo_wait_s)
     try:
         cal = load_calibration(calibration or chosen.calibration)
     except (ValueError, KeyError, TypeError) as e:
@@ -50,7 +67,7 @@ def simulate(
     )
     for run in runs:
         try:
-            report = run_model(chosen, cal, run, seed, planner=planner)
+            report = run_model(chosen, cal, run, seed, planner=planner, open_loop=open_loop)
         except ValueError as e:  # a model that does not fit, a fitted calibration for another model
             raise typer.BadParameter(str(e), param_hint="--calibration") from None
         for line in report_lines(report, single_shape(chosen)):

@@ -166,3 +166,4 @@ class Instance:
     prefills: list[SimSeq] = field(default_factory=list)  # running sequences with prompt left, FCFS
     last_step_s: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=64))  # planner StepSamples
+    idle: bool = False  # no step scheduled: nothing running or queued (an arrival wakes it)

@@ -7,6 +7,12 @@ placement and planner), ``static`` (vLLM-multi: the same instances, KV on the ho
 (vLLM-single: one instance over every accelerator, TP=8 within a node x PP=4 across nodes, KV on all of
 them). ``tiny`` is this machine's setting (the CPU calibration, SmolLM2-135M, 2 instances of small KV
 memory): quick, and what the tests run.
+
+The pooled / static ratio on the short trace is also measured open-loop (:func:`max_rate`): requests arrive
+as a Poisson process, and each mode's throughput is taken at the highest request rate whose p90 queueing
+delay stays within ``Setting.slo_wait_s``. Saturated (every request at time 0), round-robin routing makes
+every instance alike (all memory-bound); below saturation the instances that drew a document are memory-bound
+while the others leave memory idle, which is the debtor/creditor mix PAPER.md's gain needs.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from infinite_llm.sim.calibration import Calibration
 from infinite_llm.sim.cluster import SimServers
 from infinite_llm.sim.models import get_model
 from infinite_llm.sim.simulator import SimConfig, SimResult, Simulator
-from infinite_llm.sim.traces import TraceSpec, generate
+from infinite_llm.sim.traces import TraceSpec, generate, with_arrivals
 
 # PAPER.md "Evaluation": (low, high) of each ratio the paper reports.
 PAPER_RATIOS = {
     "pooled/static short": (1.35, 1.73),
+    "pooled/static short, open-loop": (1.35, 1.73),
     "pooled/single short": (1.4, 5.3),
     "pooled/single long": (1.4, 3.4),
     "pooled/single long, prompt+output tokens": (1.4, 3.4),  # the paper does not say which tokens it counts
@@ -46,7 +53,8 @@ class ModelRun:
 @dataclass(frozen=True)
 class Setting:
     """A cluster and its traces. ``kv_memory_bytes``: per instance, for a fitted calibration (else derived
-    from the accelerators); ``requests_per_instance``: trace size (enough that queues last the horizon)."""
+    from the accelerators); ``requests_per_instance``: trace size (enough that queues last the horizon);
+    ``slo_wait_s``: the p90 queueing delay (seconds) an open-loop rate must keep (:func:`max_rate`)."""
 
     name: str
     calibration: str
@@ -67,6 +75,8 @@ class Setting:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     tick_s: float = 0.5
+    slo_wait_s: float = 5.0
+    rate_search_steps: int = 7
 
     @property
     def accelerators(self) -> int:
@@ -104,8 +114,23 @@ SETTINGS = {
         max_num_seqs=8,
         max_num_batched_tokens=512,
         tick_s=2.0,
+        slo_wait_s=30.0,  # a CPU step is ~0.1-1 s
     ),
 }
+
+
+@dataclass(frozen=True)
+class OpenLoop:
+    """One mode's open-loop result: the highest Poisson request rate (requests per second) found whose p90
+    queueing delay stays within the SLO, and the run at that rate (``None`` when even the lowest rate
+    tried missed the SLO: ``rate`` is then 0)."""
+
+    rate: float
+    result: SimResult | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.result.tokens_per_s if self.result is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -121,13 +146,21 @@ class ModelReport:
     longest_pooled: int
     longest_static: int
     max_num_seqs: int = 256
+    open_loop: dict[str, OpenLoop] | None = None  # mode -> its highest rate within the SLO (short trace)
+    slo_wait_s: float = 0.0
 
     def ratios(self) -> dict[str, float]:
         def tput(trace: str, mode: str) -> float:
             return self.results[(trace, mode)].tokens_per_s
 
+        open_loop = {}
+        if self.open_loop is not None:
+            # both modes serve the same request mix, so throughput at the highest rate is proportional to it
+            pooled, static = self.open_loop["pooled"].rate, self.open_loop["static"].rate
+            open_loop["pooled/static short, open-loop"] = pooled / static if static else float("inf")
         return {
             "pooled/static short": tput("short", "pooled") / tput("short", "static"),
+            **open_loop,
             "pooled/single short": tput("short", "pooled") / tput("short", "single"),
             "pooled/single long": tput("long", "pooled") / tput("long", "single"),
             "pooled/single long, prompt+output tokens": self.results[("long", "pooled")].all_tokens_per_s
@@ -148,9 +181,10 @@ def traces(setting: Setting, instance_tokens: int, instances: int, seed: int) ->
 
 
 def run_model(
-    setting: Setting, calibration: Calibration, run: ModelRun, seed: int, planner: bool = True
+    setting: Setting, calibration: Calibration, run: ModelRun, seed: int, planner: bool = True, open_loop: bool = True
 ) -> ModelReport:
-    """Simulate one model of ``setting``: 2 traces x (pooled, static, single), and the longest contexts."""
+    """Simulate one model of ``setting``: 2 traces x (pooled, static, single), the longest contexts, and with
+    ``open_loop`` the short trace's highest rate within the SLO for pooled and static (:func:`max_rate`)."""
     model = get_model(run.model)
     instances = setting.accelerators // run.tp
     cost = calibration.instance_cost(model, run.tp, 1, setting.kv_memory_bytes)
@@ -172,10 +206,27 @@ def run_model(
         "single": replace(base, mode="static", num_instances=1, cost=single),
     }
     results = {}
-    for trace_name, spec in traces(setting, cost.kv_capacity_tokens, instances, seed).items():
+    specs = traces(setting, cost.kv_capacity_tokens, instances, seed)
+    for trace_name, spec in specs.items():
         requests = generate(spec, seed)
         for mode, config in configs.items():
             results[(trace_name, mode)] = asyncio.run(Simulator(config, requests, horizon_s=run.horizon_s).run())
+    rates = None
+    if open_loop:
+        short = generate(specs["short"], seed)
+        mean_output = sum(r.output_tokens for r in short) / len(short)
+        rates = {
+            mode: max_rate(
+                configs[mode],
+                specs["short"],
+                seed,
+                run.horizon_s,
+                setting.slo_wait_s,
+                results[("short", mode)].tokens_per_s / mean_output,
+                setting.rate_search_steps,
+            )
+            for mode in ("pooled", "static")
+        }
     return ModelReport(
         model=run.model,
         instances=instances,
@@ -186,7 +237,40 @@ def run_model(
         longest_pooled=longest_placeable(configs["pooled"], setting.max_context),
         longest_static=longest_placeable(configs["static"], setting.max_context),
         max_num_seqs=setting.max_num_seqs,
+        open_loop=rates,
+        slo_wait_s=setting.slo_wait_s,
     )
+
+
+def max_rate(
+    config: SimConfig,
+    spec: TraceSpec,
+    seed: int,
+    horizon_s: float,
+    slo_wait_s: float,
+    saturation_rate: float,
+    steps: int = 7,
+) -> OpenLoop:
+    """The highest Poisson request rate (requests per second) at which ``config`` keeps the p90 queueing
+    delay of ``spec``'s requests within ``slo_wait_s`` over ``horizon_s``, by bisection over
+    ``[0, 1.5] x saturation_rate`` (the closed run's completed requests per second) in ``steps`` runs
+    (resolution ``1.5 / 2**steps`` of it):
+    the same seeded requests and arrival draws at every rate, so only the rate changes. The throughput at
+    that rate is what an operator holding that latency gets (vLLM's and the paper's "throughput at a request
+    rate"). Raises ``ValueError`` for a saturation rate or an SLO <= 0."""
+    if not saturation_rate > 0 or not slo_wait_s > 0:
+        raise ValueError(f"saturation rate and SLO must be > 0, got {saturation_rate} and {slo_wait_s}")
+    lo, hi, best = 0.0, 1.5 * saturation_rate, None
+    for _ in range(steps):
+        rate = (lo + hi) / 2
+        n = int(rate * horizon_s * 1.2) + 16  # arrivals outlast the horizon
+        requests = with_arrivals(generate(replace(spec, n=n), seed), rate, seed)
+        result = asyncio.run(Simulator(config, requests, horizon_s=horizon_s).run())
+        if result.wait_p90_s <= slo_wait_s:
+            lo, best = rate, result
+        else:
+            hi = rate
+    return OpenLoop(lo, best)
 
 
 def longest_placeable(config: SimConfig, max_context: int) -> int:
@@ -235,6 +319,12 @@ def report_lines(report: ModelReport, single_shape: str) -> list[str]:
             f"{s.tokens_per_s:,.0f} tok/s (refused {s.refused}), single {g.tokens_per_s:,.0f} tok/s; "
             f"prompt+output {p.all_tokens_per_s:,.0f} / {s.all_tokens_per_s:,.0f} / {g.all_tokens_per_s:,.0f} tok/s"
         )
+    if report.open_loop is not None:
+        p, s = report.open_loop["pooled"], report.open_loop["static"]
+        lines.append(
+            f"  short open-loop (highest rate with p90 queueing delay <= {report.slo_wait_s:g} s): "
+            f"pooled {_open_loop_text(p)}; static {_open_loop_text(s)}"
+        )
     for trace in ("short", "long"):
         p, s, g = r[(trace, "pooled")], r[(trace, "static")], r[(trace, "single")]
         lines.append(
@@ -248,6 +338,16 @@ def report_lines(report: ModelReport, single_shape: str) -> list[str]:
         if name == "pooled/static short" and value < low:
             lines.append(f"    why: {regime_note(r[('short', 'pooled')], r[('short', 'static')], report.max_num_seqs)}")
     return lines
+
+
+def _open_loop_text(o: OpenLoop) -> str:
+    if o.result is None:
+        return "no rate tried kept it"
+    r = o.result
+    return (
+        f"{o.rate:.3g} req/s, {r.tokens_per_s:,.0f} tok/s (p90 wait {r.wait_p90_s:.1f} s, mean batch "
+        f"{r.mean_batch:.0f}, home KV used {r.home_used:.0%})"
+    )
 
 
 def regime_note(pooled: SimResult, static: SimResult, max_num_seqs: int) -> str:

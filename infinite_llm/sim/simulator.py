@@ -80,6 +80,10 @@ class SimResult:
     rBlocks, every owner's) are averaged over the instances' step time after the ramp-up. They tell the
     regime: a batch at ``max_num_seqs`` with home memory to spare is batch-capped (it could lend, a creditor
     in PAPER.md's terms), a batch far below it with a full home is memory-bound (a debtor).
+
+    ``wait_mean_s`` / ``wait_p90_s``: queueing delay (arrival to admission, seconds) of the requests that
+    arrived after the ramp-up, those still queued at the end counted with their wait so far (a lower
+    bound); refused requests are left out. 0 when none arrived after the ramp-up.
     """
 
     window_tokens: int
@@ -95,6 +99,8 @@ class SimResult:
     events: int
     mean_batch: float = 0.0
     home_used: float = 0.0
+    wait_mean_s: float = 0.0
+    wait_p90_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,10 +116,13 @@ class SimResult:
 
 
 class Simulator:
-    """Run ``requests`` (all arriving at time 0, routed round-robin) on the cluster of ``config``.
+    """Run ``requests`` (routed round-robin in order, each at its ``arrival_s``) on the cluster of ``config``.
 
-    The run stops at the end of the saturated window (the first instance's queue ran empty, or
-    ``horizon_s`` of simulated time), or with ``to_completion`` when every request is done.
+    Closed run (every request at time 0): the run stops at the end of the saturated window (the first
+    instance's queue ran empty, or ``horizon_s`` of simulated time), or with ``to_completion`` when every
+    request is done. Open-loop run (arrival times from :func:`~infinite_llm.sim.traces.with_arrivals`):
+    queues may run empty and refill, so the window is the ramp-up's end to ``horizon_s`` (or the last
+    completion), and the result carries the queueing delays.
     """
 
     def __init__(
@@ -122,13 +131,23 @@ class Simulator:
         self.config = config
         self.horizon_s = horizon_s
         self.warmup_s = horizon_s / 4 if math.isfinite(horizon_s) else math.inf  # ramp-up left out
+        self.wait_from_s = self.warmup_s if math.isfinite(horizon_s) else 0.0  # arrivals whose wait counts
         self.warm: tuple[int, int, float] | None = None  # (output, prompt tokens, time) at the warm-up's end
         self.to_completion = to_completion
         self.window: tuple[int, int, float] | None = None  # (output, prompt tokens, time) when a queue ran empty
         n = config.num_instances
         self.instances = [Instance(i, f"c{i}", f"s{i}") for i in range(n)]
+        self.open_loop = any(req.arrival_s > 0 for req in requests)
+        self._events: list[tuple[float, int, str, object]] = []
+        self._seqno = 0
+        self.arrivals_left = 0
         for k, req in enumerate(requests):
-            self.instances[k % n].queue.append(req)
+            if req.arrival_s > 0:
+                self.schedule(req.arrival_s, "arrive", (self.instances[k % n], req))
+                self.arrivals_left += 1
+            else:
+                self.instances[k % n].queue.append(req)
+        self.waits: list[float] = []  # queueing delays of requests admitted that arrived after the ramp-up
         self.servers = SimServers({i.home: config.capacity_blocks for i in self.instances})
         self.view = CapacityView()
         for i in self.instances:
@@ -136,8 +155,6 @@ class Simulator:
         self.kv = KVTokens(list(self.servers.capacity), [i.home for i in self.instances])
         self.planner = PlannerDriver(self) if config.mode == "pooled" and config.planner else None
         self.now = 0.0
-        self._events: list[tuple[float, int, str, object]] = []
-        self._seqno = 0
         self.output_tokens = self.prompt_tokens = self.served = self.refused = self.longest = self.events = 0
         self.makespan = 0.0
         self.seqs: dict[str, SimSeq] = {}  # running sequences by id
@@ -165,7 +182,9 @@ class Simulator:
             self.events += 1
             if kind == "step":
                 await self._step(payload)
-            elif kind == "plan" and self._busy():
+            elif kind == "arrive":
+                self._arrive(*payload)
+            elif kind == "plan" and (self._busy() or self.arrivals_left):
                 await self.planner.tick(self.now)
                 self.schedule(self.now + self.config.planner_interval_s, "plan", None)
             elif kind == "migrated":
@@ -176,6 +195,10 @@ class Simulator:
         window_tokens, window_prompt, window_s = end_out - start[0], end_prompt - start[1], end_s - start[2]
         makespan = self.makespan if self.to_completion else window_s
         seconds, batch_s, used_s = self._regime["warm" if start[2] > 0 else "all"]
+        waits = self.waits + [
+            end_s - r.arrival_s for i in self.instances for r in i.queue if self.wait_from_s <= r.arrival_s <= end_s
+        ]
+        waits.sort()
         return SimResult(
             window_tokens,
             window_prompt,
@@ -189,7 +212,17 @@ class Simulator:
             self.events,
             batch_s / seconds if seconds else 0.0,
             used_s / seconds if seconds else 0.0,
+            sum(waits) / len(waits) if waits else 0.0,
+            waits[min(len(waits) - 1, int(0.9 * len(waits)))] if waits else 0.0,
         )
+
+    def _arrive(self, inst: Instance, req: Request) -> None:
+        """``req`` joins ``inst``'s queue; an idle instance steps at once."""
+        self.arrivals_left -= 1
+        inst.queue.append(req)
+        if inst.idle:
+            inst.idle = False
+            self.schedule(self.now, "step", inst)
 
     async def _start_together(self) -> None:
         """At time 0 the instances admit one request each in turn, as if they started at once (else the
@@ -221,6 +254,8 @@ class Simulator:
             if blocks is None:
                 return
             self._dequeue(inst)
+            if req.arrival_s >= self.wait_from_s:
+                self.waits.append(self.now - req.arrival_s)
             seq = SimSeq(req, inst.index, blocks)
             inst.running.append(seq)
             inst.prefills.append(seq)
@@ -228,7 +263,7 @@ class Simulator:
 
     def _dequeue(self, inst: Instance) -> None:
         inst.queue.popleft()
-        if not inst.queue and self.window is None:
+        if not inst.queue and self.window is None and not self.open_loop:
             self.window = (self.output_tokens, self.prompt_tokens, self.now)
 
     def _reachable_capacity(self, inst: Instance) -> int:
@@ -260,6 +295,8 @@ class Simulator:
         if not inst.running:
             if inst.queue:  # the head waits for memory to free elsewhere
                 self.schedule(self.now + self.config.tick_s, "step", inst)
+            else:
+                inst.idle = True
             return
         if inst.prefills:
             duration, steps = self._prefill_step(inst), 1

@@ -9,23 +9,26 @@ not public as length lists, so these are parametric stand-ins (assumptions, docu
   ~ lognormal(median 256, sigma 0.5) clipped to [16, 1K].
 
 A trace is ``n`` requests, each a document with probability ``long_fraction``; the same seed gives the same
-trace. Lengths are in tokens.
+trace. Lengths are in tokens. Requests arrive together at time 0 (a closed, saturated run) unless
+:func:`with_arrivals` gives them Poisson arrival times (an open-loop run at a request rate).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class Request:
-    """One request: ``prompt_tokens`` to prefill, then ``output_tokens`` to decode (no early stop)."""
+    """One request: ``prompt_tokens`` to prefill, then ``output_tokens`` to decode (no early stop), arriving
+    at ``arrival_s`` seconds of simulated time."""
 
     req_id: str
     prompt_tokens: int
     output_tokens: int
+    arrival_s: float = 0.0
 
     @property
     def context_tokens(self) -> int:
@@ -64,4 +67,17 @@ def generate(spec: TraceSpec, seed: int) -> list[Request]:
             prompt = _lognormal(rng, 600, 1.0, 16, 16_384)
             output = _lognormal(rng, 200, 0.8, 8, 2048)
         out.append(Request(f"{spec.name}-{i}", prompt, output))
+    return out
+
+
+def with_arrivals(requests: list[Request], rate: float, seed: int) -> list[Request]:
+    """``requests`` in order, arriving as a Poisson process of ``rate`` requests per second (exponential
+    gaps, the first after one gap); deterministic in ``seed``. Raises ``ValueError`` for a rate <= 0."""
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests per second, got {rate}")
+    rng = random.Random(f"arrivals:{seed}")
+    t, out = 0.0, []
+    for req in requests:
+        t += rng.expovariate(rate)
+        out.append(replace(req, arrival_s=t))
     return out

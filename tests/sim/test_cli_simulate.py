@@ -21,6 +21,9 @@ def test_simulate_tiny_prints_the_ratios_beside_the_papers():
     assert lines[0].startswith("simulate: setting tiny, calibration cpu-smollm2-135m (this machine")
     assert lines[0].endswith("2 accelerators (1 nodes x 2), seed 0, planner on")
     assert lines[1:] == EXPECTED_TINY
+    proc = run_cli("simulate", "--setting", "tiny", "--seed", "0", "--no-open-loop")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1:] == [line for line in EXPECTED_TINY if "open-loop" not in line]
 
 
 def test_simulate_refuses_an_unknown_setting_and_a_calibration_for_another_model():
@@ -38,11 +41,15 @@ EXPECTED_TINY = [
     "prompt+output 145 / 252 / 168 tok/s",
     "  long: pooled 19 tok/s (migrations 0), static 49 tok/s (refused 4), single 25 tok/s; "
     "prompt+output 167 / 269 / 173 tok/s",
+    "  short open-loop (highest rate with p90 queueing delay <= 30 s): pooled 0.0728 req/s, 15 tok/s (p90 wait "
+    "23.2 s, mean batch 1, home KV used 74%); static 0.0988 req/s, 21 tok/s (p90 wait 19.4 s, mean batch 1, "
+    "home KV used 66%)",
     "  short regime: mean batch 3 / 2 / 3 of 8, home KV used 79% / 73% / 78% (pooled / static / single)",
     "  long regime: mean batch 2 / 2 / 2 of 8, home KV used 93% / 75% / 76% (pooled / static / single)",
     "  pooled/static short 0.63x (paper 1.35-1.73x): 53% below the paper's range",
     "    why: static instances run batch 2 of 8 at home KV 73%; static refused 1 requests larger than a home "
     "that pooled serves (their prefill and memory count against pooled's output tokens)",
+    "  pooled/static short, open-loop 0.74x (paper 1.35-1.73x): 45% below the paper's range",
     "  pooled/single short 1.10x (paper 1.4-5.3x): 22% below the paper's range",
     "  pooled/single long 0.73x (paper 1.4-3.4x): 48% below the paper's range",
     "  pooled/single long, prompt+output tokens 0.97x (paper 1.4-3.4x): 31% below the paper's range",

@@ -4,6 +4,7 @@ every rBlock is back at the end; the planner's moves are carried out."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -12,9 +13,9 @@ from infinite_llm.services.manager.planner import plan
 from infinite_llm.sim.calibration import load_calibration
 from infinite_llm.sim.cluster import SimServers
 from infinite_llm.sim.models import get_model
-from infinite_llm.sim.scenarios import SETTINGS, longest_placeable, regime_note, run_model
+from infinite_llm.sim.scenarios import SETTINGS, longest_placeable, max_rate, regime_note, run_model
 from infinite_llm.sim.simulator import SimConfig, SimResult, Simulator
-from infinite_llm.sim.traces import Request, TraceSpec, generate
+from infinite_llm.sim.traces import Request, TraceSpec, generate, with_arrivals
 
 KV_TOKENS = 2048  # per instance: 128 rBlocks of 16 tokens
 
@@ -145,12 +146,66 @@ def test_tiny_setting_reports_every_ratio():
     assert (report.longest_pooled, report.longest_static) == (4096, 2048)
     assert set(report.ratios()) == {
         "pooled/static short",
+        "pooled/static short, open-loop",
         "pooled/single short",
         "pooled/single long",
         "pooled/single long, prompt+output tokens",
         "longest context pooled/static",
     }
     assert report.ratios()["longest context pooled/static"] == 2.0
+    for mode in ("pooled", "static"):  # each mode's rate found, and within the setting's SLO
+        found = report.open_loop[mode]
+        assert found.rate > 0 and found.result.wait_p90_s <= setting.slo_wait_s
+    pooled, static = report.open_loop["pooled"].rate, report.open_loop["static"].rate
+    assert report.ratios()["pooled/static short, open-loop"] == pytest.approx(pooled / static)
+
+
+def test_poisson_arrivals_are_seeded_ordered_and_at_the_rate():
+    requests = generate(TraceSpec("short", 20_000, 0.02, 8000, 100_000), seed=0)
+    a, b = with_arrivals(requests, 4.0, seed=1), with_arrivals(requests, 4.0, seed=1)
+    assert a == b and a != with_arrivals(requests, 4.0, seed=2)
+    assert [(r.req_id, r.prompt_tokens, r.output_tokens) for r in a] == [
+        (r.req_id, r.prompt_tokens, r.output_tokens) for r in requests
+    ]
+    times = [r.arrival_s for r in a]
+    assert times[0] > 0 and all(x < y for x, y in zip(times, times[1:], strict=False))
+    assert times[-1] / len(times) == pytest.approx(1 / 4.0, rel=0.03)  # mean gap 1/rate (20,000 draws: ~0.7% sd)
+    doubled = with_arrivals(requests, 8.0, seed=1)  # the same draws, time scaled: only the rate changes
+    assert [r.arrival_s * 2 for r in doubled] == pytest.approx(times)
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        with_arrivals(requests, 0.0, seed=0)
+
+
+def test_an_idle_instance_admits_an_arrival_at_once_and_an_overloaded_one_queues(cost):
+    late = [Request("a", 200, 20, arrival_s=10.0), Request("b", 200, 20, arrival_s=12.5)]
+    sim, result = simulate(cost, "pooled", late)
+    # round-robin: a on c0, b on c1; both idle, so each is admitted the instant it arrives
+    assert (result.served, result.refused, result.wait_mean_s, result.wait_p90_s) == (2, 0, 0.0, 0.0)
+    assert result.makespan_s > 12.5 and result.output_tokens == 40
+
+    # 8 requests of 1,000 context tokens at once on an instance of 2,048 tokens (round-robin gives the other
+    # instance 8 of 17 tokens): two fit at a time, so the later ones wait for earlier ones to finish
+    burst = [Request(f"r{i}", 900, 100, 5.0) if i % 2 == 0 else Request(f"x{i}", 16, 1, 5.0) for i in range(16)]
+    sim, result = simulate(cost, "static", burst)
+    assert result.served == 16 and result.wait_p90_s > 1.0
+    assert sim.servers.free_blocks == {"s0": 128, "s1": 128}
+
+
+def test_open_loop_waits_grow_with_the_rate_and_max_rate_keeps_the_slo(cost):
+    spec = TraceSpec("short", 10, 0.1, 1000, 1800)
+    config = SimConfig("static", 2, cost, max_num_seqs=4, max_num_batched_tokens=512, tick_s=1.0)
+
+    def p90(rate: float) -> float:
+        requests = with_arrivals(generate(replace(spec, n=int(rate * 400)), seed=0), rate, seed=0)
+        return asyncio.run(Simulator(config, requests, horizon_s=300.0).run()).wait_p90_s
+
+    light, heavy = p90(0.01), p90(1.0)
+    assert light < 5.0 < heavy
+    found = max_rate(config, spec, seed=0, horizon_s=300.0, slo_wait_s=20.0, saturation_rate=0.2, steps=5)
+    assert 0 < found.rate < 0.3 and found.result.wait_p90_s <= 20.0
+    assert found.rate * 2**5 / 0.3 == pytest.approx(round(found.rate * 2**5 / 0.3))  # a bisection point of [0, 0.3]
+    with pytest.raises(ValueError, match="must be > 0"):
+        max_rate(config, spec, seed=0, horizon_s=300.0, slo_wait_s=0.0, saturation_rate=0.2)
 
 
 # (events, served, refused, output tokens, migrations) of the seeded 40-request run; pooled runs every request
