@@ -7,7 +7,9 @@ placed by the manager's real placement code and moved by its real planner (:mod:
 
 Assumptions (also in the README, "The simulator"):
 
-- Requests all arrive at time 0 and are routed round-robin; each instance admits FCFS (a head that does
+- Requests are routed round-robin and arrive all at time 0 (a saturated run) or as a Poisson process
+  (:func:`~.traces.with_arrivals`, the open-loop search of :func:`~.scenarios.max_rate`); each instance
+  admits FCFS (a head that does
   not fit blocks its queue, as vLLM's scheduler) up to ``max_num_seqs``, and reserves a request's whole
   context (prompt + output) at admission, so nothing is preempted. A request no placement could ever hold
   (static: more than the home; pooled: more than the pool) is refused.
@@ -15,6 +17,7 @@ Assumptions (also in the README, "The simulator"):
   leaving out the first quarter of the horizon (ramp-up). Each run also reports its regime (mean running
   batch, home KV used): the paper's pooled gain needs memory-bound instances (debtors) and instances with
   idle memory (creditors) at once; round-robin routing of one trace at saturation makes instances alike.
+  Open-loop runs measure the same window and each request's queueing delay (arrival to admission).
 - Step cost: ``dense(B, tokens) + max(home attention, slowest remote partial + round trips)`` plus causal
   prefill attention, roofline coefficients for GPUs (:class:`~.calibration.InstanceCost`); a server's KV
   of a sequence is its share of the sequence's rBlocks; a creditor pays the attention over what it lends.
