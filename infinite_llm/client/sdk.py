@@ -11,10 +11,19 @@ Also ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logi
 Security: ``tls`` is a :class:`~infinite_llm.rpc.tls.TlsConfig`, a TLS directory (its ``client`` files), or
 by default the process's identity, else ``$INFINITE_LLM_TLS_DIR``, else plaintext; ``api_key`` travels as
 ``authorization: Bearer <key>`` on every call (TLS only: a key is never sent in clear).
+
+Retries: ``max_retries`` (default 2, at most 4) resends a call that ended UNAVAILABLE before the router
+answered anything: the router down or restarting, a draining router refusing new requests, a connection
+refused. gRPC's own retry policy does it (``grpc.service_config``, gRFC A6), with exponential backoff
+(random up to 0.5 s, 1 s, 2 s, 4 s) within the call's ``timeout`` (one that passes while the call waits to
+be resent ends DEADLINE_EXCEEDED, :class:`DeadlineExceeded`): once the router has sent its first
+message (a stream's first tokens) a call is never resent, so no token is produced twice. Other errors are
+never retried: a request the router refused for its content or for capacity fails the same way again.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -33,6 +42,9 @@ from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, client_tls
 from infinite_llm.services.generate_codec import logprob_from_proto, sampling_to_proto
 
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_MAX_RETRIES = 2
+MAX_RETRIES = 4  # gRPC caps a retry policy at 5 attempts
+RETRY_BUFFER_BYTES = 16 << 20  # a request up to this size stays retryable (gRPC's default: 256 KiB)
 
 
 @dataclass
@@ -103,24 +115,59 @@ def _timeout(timeout: float) -> float:
     return float(timeout)
 
 
-def _credentials(tls: TlsArg | str | Path, api_key: str | None) -> tuple[grpc.ChannelCredentials | None, list]:
-    """Channel credentials (None: plaintext) and options for ``tls`` and ``api_key``."""
+def retry_options(max_retries: int) -> list[tuple[str, int | str]]:
+    """Channel options that resend a Router call ended UNAVAILABLE before any response, ``max_retries``
+    times at most (gRFC A6 retry policy; see the module docstring). Raises ``InvalidRequest`` outside
+    ``0..MAX_RETRIES``."""
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or not 0 <= max_retries <= MAX_RETRIES:
+        raise InvalidRequest(
+            f"max_retries must be an integer from 0 to {MAX_RETRIES}, got {max_retries!r}", param="max_retries"
+        )
+    if max_retries == 0:
+        return [("grpc.enable_retries", 0)]
+    policy = {
+        "maxAttempts": max_retries + 1,
+        "initialBackoff": "0.5s",
+        "maxBackoff": "4s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    config = {"methodConfig": [{"name": [{"service": "infinite_llm.v1.Router"}], "retryPolicy": policy}]}
+    return [
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", json.dumps(config)),
+        ("grpc.per_rpc_retry_buffer_size", RETRY_BUFFER_BYTES),
+    ]
+
+
+def _credentials(
+    tls: TlsArg | str | Path, api_key: str | None, max_retries: int
+) -> tuple[grpc.ChannelCredentials | None, list]:
+    """Channel credentials (None: plaintext) and options for ``tls``, ``api_key`` and ``max_retries``."""
+    retries = retry_options(max_retries)
     identity = client_tls(tls)
     if identity is None:
         if api_key:
             raise InvalidRequest("an API key needs TLS (it would travel in clear): give tls", param="api_key")
-        return None, channel_options()
+        return None, [*channel_options(), *retries]
     credentials = identity.channel_credentials()
     if api_key:
         credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(api_key))
-    return credentials, [*channel_options(), *identity.channel_options()]
+    return credentials, [*channel_options(), *identity.channel_options(), *retries]
 
 
 class Client:
     """Blocking client. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, target: str, *, tls: TlsArg | str | Path = FROM_PROCESS, api_key: str | None = None) -> None:
-        credentials, options = _credentials(tls, api_key)
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: TlsArg | str | Path = FROM_PROCESS,
+        api_key: str | None = None,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+    ) -> None:
+        credentials, options = _credentials(tls, api_key, max_retries)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
@@ -200,8 +247,15 @@ class Client:
 class AsyncClient:
     """asyncio client (``grpc.aio``); same methods as :class:`Client`, awaitable."""
 
-    def __init__(self, target: str, *, tls: TlsArg | str | Path = FROM_PROCESS, api_key: str | None = None) -> None:
-        credentials, options = _credentials(tls, api_key)
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: TlsArg | str | Path = FROM_PROCESS,
+        api_key: str | None = None,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+    ) -> None:
+        credentials, options = _credentials(tls, api_key, max_retries)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         else:

@@ -83,3 +83,16 @@ def test_the_async_client_refuses_a_bad_timeout_before_any_rpc(server, timeout):
 
     asyncio.run(main())
     assert calls == []
+
+
+def test_a_router_that_is_not_there_is_unavailable_after_the_retries_or_past_the_deadline_while_waiting():
+    from infinite_llm.client import DeadlineExceeded, Unavailable
+    from infinite_llm.state.etcd_launcher import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens: every attempt is refused
+    for retries in (0, 2):
+        with Client(address, tls=None, max_retries=retries) as client, pytest.raises(Unavailable):
+            client.generate("hi", timeout=30)
+    # 4 resends wait up to 0.5 + 1 + 2 + 4 s at random: a 0.3 s deadline passes first (all but ~1e-4 of runs)
+    with Client(address, tls=None, max_retries=4) as client, pytest.raises(DeadlineExceeded):
+        client.generate("hi", timeout=0.3)
