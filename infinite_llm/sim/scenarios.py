@@ -254,8 +254,8 @@ def max_rate(
     """The highest Poisson request rate (requests per second) at which ``config`` keeps the p90 queueing
     delay of ``spec``'s requests within ``slo_wait_s`` over ``horizon_s``, by bisection over
     ``[0, 1.5] x saturation_rate`` (the closed run's completed requests per second) in ``steps`` runs
-    (resolution ``1.5 / 2**steps`` of it):
-    the same seeded requests and arrival draws at every rate, so only the rate changes. The throughput at
+    (resolution ``1.5 / 2**steps`` of it), with the same seeded requests and arrival draws at every rate,
+    so only the rate changes. The throughput at
     that rate is what an operator holding that latency gets (vLLM's and the paper's "throughput at a request
     rate"). Raises ``ValueError`` for a saturation rate or an SLO <= 0."""
     if not saturation_rate > 0 or not slo_wait_s > 0:
