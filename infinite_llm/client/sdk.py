@@ -156,8 +156,10 @@ def _credentials(
     return credentials, [*channel_options(), *identity.channel_options(), *retries]
 
 
-class Client:
-    """Blocking client. Use as a context manager or call :meth:`close`."""
+class _RouterChannel:
+    """The channel and Router stub both clients open: ``grpc`` (blocking) or ``grpc.aio`` (``_grpc``)."""
+
+    _grpc = grpc
 
     def __init__(
         self,
@@ -169,10 +171,14 @@ class Client:
     ) -> None:
         credentials, options = _credentials(tls, api_key, max_retries)
         if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=options)
+            self._channel = self._grpc.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
+            self._channel = self._grpc.secure_channel(target, credentials, options=options)
         self._stub = rgrpc.RouterStub(self._channel)
+
+
+class Client(_RouterChannel):
+    """Blocking client. Use as a context manager or call :meth:`close`."""
 
     def __enter__(self) -> Client:
         return self
@@ -244,23 +250,10 @@ class Client:
             raise error_from_rpc(e) from None
 
 
-class AsyncClient:
+class AsyncClient(_RouterChannel):
     """asyncio client (``grpc.aio``); same methods as :class:`Client`, awaitable."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        tls: TlsArg | str | Path = FROM_PROCESS,
-        api_key: str | None = None,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-    ) -> None:
-        credentials, options = _credentials(tls, api_key, max_retries)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
-        self._stub = rgrpc.RouterStub(self._channel)
+    _grpc = grpc.aio
 
     async def __aenter__(self) -> AsyncClient:
         return self
