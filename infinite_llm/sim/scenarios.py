@@ -30,6 +30,8 @@ from infinite_llm.sim.models import get_model
 from infinite_llm.sim.simulator import SimConfig, SimResult, Simulator
 from infinite_llm.sim.traces import TraceSpec, generate, with_arrivals
 
+MAX_BACKLOG = 0.05  # a sustained open-loop rate leaves at most this share of its window's arrivals queued
+
 # PAPER.md "Evaluation": (low, high) of each ratio the paper reports.
 PAPER_RATIOS = {
     "pooled/static short": (1.35, 1.73),
@@ -54,7 +56,9 @@ class ModelRun:
 class Setting:
     """A cluster and its traces. ``kv_memory_bytes``: per instance, for a fitted calibration (else derived
     from the accelerators); ``requests_per_instance``: trace size (enough that queues last the horizon);
-    ``slo_wait_s``: the p90 queueing delay (seconds) an open-loop rate must keep (:func:`max_rate`)."""
+    ``slo_wait_s``: the p90 queueing delay (seconds) an open-loop rate must keep (:func:`max_rate`), over
+    ``open_loop_horizon_s`` of simulated time (longer than the saturated runs' horizon: a rate just past
+    what a cluster sustains takes minutes to show as a growing queue)."""
 
     name: str
     calibration: str
@@ -77,6 +81,7 @@ class Setting:
     tick_s: float = 0.5
     slo_wait_s: float = 5.0
     rate_search_steps: int = 7
+    open_loop_horizon_s: float = 480.0
 
     @property
     def accelerators(self) -> int:
@@ -115,18 +120,21 @@ SETTINGS = {
         max_num_batched_tokens=512,
         tick_s=2.0,
         slo_wait_s=30.0,  # a CPU step is ~0.1-1 s
+        open_loop_horizon_s=2400.0,
     ),
 }
 
 
 @dataclass(frozen=True)
 class OpenLoop:
-    """One mode's open-loop result: the highest Poisson request rate (requests per second) found whose p90
-    queueing delay stays within the SLO, and the run at that rate (``None`` when even the lowest rate
-    tried missed the SLO: ``rate`` is then 0)."""
+    """One mode's open-loop result: the highest Poisson request rate (requests per second) found that the
+    cluster sustains (:func:`max_rate`), and the run at that rate (``None`` when even the lowest rate tried
+    was not sustained: ``rate`` is then 0). ``at_ceiling``: every rate tried was sustained, so ``rate`` is a
+    lower bound set by the search's range, not by the SLO."""
 
     rate: float
     result: SimResult | None
+    at_ceiling: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -155,9 +163,11 @@ class ModelReport:
 
         open_loop = {}
         if self.open_loop is not None:
-            # both modes serve the same request mix, so throughput at the highest rate is proportional to it
+            # both modes serve the same request mix at a rate they sustain (their queues do not grow), so their
+            # throughputs there are in the ratio of the rates; undefined when either found none
             pooled, static = self.open_loop["pooled"].rate, self.open_loop["static"].rate
-            open_loop["pooled/static short, open-loop"] = pooled / static if static else float("inf")
+            if pooled > 0 and static > 0:
+                open_loop["pooled/static short, open-loop"] = pooled / static
         return {
             "pooled/static short": tput("short", "pooled") / tput("short", "static"),
             **open_loop,
@@ -220,7 +230,7 @@ def run_model(
                 configs[mode],
                 specs["short"],
                 seed,
-                run.horizon_s,
+                setting.open_loop_horizon_s,
                 setting.slo_wait_s,
                 results[("short", mode)].tokens_per_s / mean_output,
                 setting.rate_search_steps,
@@ -250,9 +260,11 @@ def max_rate(
     slo_wait_s: float,
     saturation_rate: float,
     steps: int = 7,
+    max_backlog: float = MAX_BACKLOG,
 ) -> OpenLoop:
-    """The highest Poisson request rate (requests per second) at which ``config`` keeps the p90 queueing
-    delay of ``spec``'s requests within ``slo_wait_s`` over ``horizon_s``, by bisection over
+    """The highest Poisson request rate (requests per second) that ``config`` sustains over ``horizon_s``:
+    the p90 queueing delay of ``spec``'s requests within ``slo_wait_s``, and at most ``max_backlog`` of the
+    window's arrivals still queued at the end (else the queue grows), by bisection over
     ``[0, 1.5] x saturation_rate`` (the closed run's completed requests per second) in ``steps`` runs
     (resolution ``1.5 / 2**steps`` of it), with the same seeded requests and arrival draws at every rate,
     so only the rate changes. The throughput at
@@ -260,17 +272,18 @@ def max_rate(
     rate"). Raises ``ValueError`` for a saturation rate or an SLO <= 0."""
     if not saturation_rate > 0 or not slo_wait_s > 0:
         raise ValueError(f"saturation rate and SLO must be > 0, got {saturation_rate} and {slo_wait_s}")
-    lo, hi, best = 0.0, 1.5 * saturation_rate, None
+    lo, hi, best, ceiling = 0.0, 1.5 * saturation_rate, None, True
     for _ in range(steps):
         rate = (lo + hi) / 2
         n = int(rate * horizon_s * 1.2) + 16  # arrivals outlast the horizon
         requests = with_arrivals(generate(replace(spec, n=n), seed), rate, seed)
         result = asyncio.run(Simulator(config, requests, horizon_s=horizon_s).run())
-        if result.wait_p90_s <= slo_wait_s:
+        arrived = rate * horizon_s * 3 / 4  # expected arrivals in the window (after the ramp-up's quarter)
+        if result.wait_p90_s <= slo_wait_s and result.backlog <= max_backlog * arrived:
             lo, best = rate, result
         else:
-            hi = rate
-    return OpenLoop(lo, best)
+            hi, ceiling = rate, False
+    return OpenLoop(lo, best, at_ceiling=ceiling and best is not None)
 
 
 def longest_placeable(config: SimConfig, max_context: int) -> int:
@@ -322,7 +335,7 @@ def report_lines(report: ModelReport, single_shape: str) -> list[str]:
     if report.open_loop is not None:
         p, s = report.open_loop["pooled"], report.open_loop["static"]
         lines.append(
-            f"  short open-loop (highest rate with p90 queueing delay <= {report.slo_wait_s:g} s): "
+            f"  short open-loop (highest rate sustained with p90 queueing delay <= {report.slo_wait_s:g} s): "
             f"pooled {_open_loop_text(p)}; static {_open_loop_text(s)}"
         )
     for trace in ("short", "long"):
@@ -342,11 +355,13 @@ def report_lines(report: ModelReport, single_shape: str) -> list[str]:
 
 def _open_loop_text(o: OpenLoop) -> str:
     if o.result is None:
-        return "no rate tried kept it"
+        return "no rate tried was sustained"
     r = o.result
+    bound = "at least " if o.at_ceiling else ""
+    ceiling = ", the search's ceiling" if o.at_ceiling else ""
     return (
-        f"{o.rate:.3g} req/s, {r.tokens_per_s:,.0f} tok/s (p90 wait {r.wait_p90_s:.1f} s, mean batch "
-        f"{r.mean_batch:.0f}, home KV used {r.home_used:.0%})"
+        f"{bound}{o.rate:.3g} req/s{ceiling}, {r.tokens_per_s:,.0f} tok/s (p90 wait {r.wait_p90_s:.1f} s, mean "
+        f"batch {r.mean_batch:.0f}, home KV used {r.home_used:.0%})"
     )
 
 

@@ -83,7 +83,8 @@ class SimResult:
 
     ``wait_mean_s`` / ``wait_p90_s``: queueing delay (arrival to admission, seconds) of the requests that
     arrived after the ramp-up, those still queued at the end counted with their wait so far (a lower
-    bound); refused requests are left out. 0 when none arrived after the ramp-up.
+    bound); refused requests are left out. 0 when none arrived after the ramp-up. ``backlog``: how many of
+    them were still queued at the end (a share that grows with the horizon means the rate is not sustained).
     """
 
     window_tokens: int
@@ -101,6 +102,7 @@ class SimResult:
     home_used: float = 0.0
     wait_mean_s: float = 0.0
     wait_p90_s: float = 0.0
+    backlog: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -195,10 +197,10 @@ class Simulator:
         window_tokens, window_prompt, window_s = end_out - start[0], end_prompt - start[1], end_s - start[2]
         makespan = self.makespan if self.to_completion else window_s
         seconds, batch_s, used_s = self._regime["warm" if start[2] > 0 else "all"]
-        waits = self.waits + [
+        queued = [
             end_s - r.arrival_s for i in self.instances for r in i.queue if self.wait_from_s <= r.arrival_s <= end_s
         ]
-        waits.sort()
+        waits = sorted(self.waits + queued)
         return SimResult(
             window_tokens,
             window_prompt,
@@ -213,7 +215,8 @@ class Simulator:
             batch_s / seconds if seconds else 0.0,
             used_s / seconds if seconds else 0.0,
             sum(waits) / len(waits) if waits else 0.0,
-            waits[min(len(waits) - 1, int(0.9 * len(waits)))] if waits else 0.0,
+            waits[math.ceil(0.9 * len(waits)) - 1] if waits else 0.0,  # nearest rank
+            len(queued),
         )
 
     def _arrive(self, inst: Instance, req: Request) -> None:

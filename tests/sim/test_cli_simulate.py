@@ -41,15 +41,15 @@ EXPECTED_TINY = [
     "prompt+output 145 / 252 / 168 tok/s",
     "  long: pooled 19 tok/s (migrations 0), static 49 tok/s (refused 4), single 25 tok/s; "
     "prompt+output 167 / 269 / 173 tok/s",
-    "  short open-loop (highest rate with p90 queueing delay <= 30 s): pooled 0.0728 req/s, 15 tok/s (p90 wait "
-    "23.2 s, mean batch 1, home KV used 74%); static 0.0988 req/s, 21 tok/s (p90 wait 19.4 s, mean batch 1, "
-    "home KV used 66%)",
+    "  short open-loop (highest rate sustained with p90 queueing delay <= 30 s): pooled 0.0546 req/s, 15 tok/s "
+    "(p90 wait 26.0 s, mean batch 1, home KV used 79%); static 0.156 req/s, 31 tok/s (p90 wait 29.2 s, mean "
+    "batch 1, home KV used 63%)",
     "  short regime: mean batch 3 / 2 / 3 of 8, home KV used 79% / 73% / 78% (pooled / static / single)",
     "  long regime: mean batch 2 / 2 / 2 of 8, home KV used 93% / 75% / 76% (pooled / static / single)",
     "  pooled/static short 0.63x (paper 1.35-1.73x): 53% below the paper's range",
     "    why: static instances run batch 2 of 8 at home KV 73%; static refused 1 requests larger than a home "
     "that pooled serves (their prefill and memory count against pooled's output tokens)",
-    "  pooled/static short, open-loop 0.74x (paper 1.35-1.73x): 45% below the paper's range",
+    "  pooled/static short, open-loop 0.35x (paper 1.35-1.73x): 74% below the paper's range",
     "  pooled/single short 1.10x (paper 1.4-5.3x): 22% below the paper's range",
     "  pooled/single long 0.73x (paper 1.4-3.4x): 48% below the paper's range",
     "  pooled/single long, prompt+output tokens 0.97x (paper 1.4-3.4x): 31% below the paper's range",

@@ -4,6 +4,7 @@ every rBlock is back at the end; the planner's moves are carried out."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,15 @@ from infinite_llm.services.manager.planner import plan
 from infinite_llm.sim.calibration import load_calibration
 from infinite_llm.sim.cluster import SimServers
 from infinite_llm.sim.models import get_model
-from infinite_llm.sim.scenarios import SETTINGS, longest_placeable, max_rate, regime_note, run_model
+from infinite_llm.sim.scenarios import (
+    SETTINGS,
+    OpenLoop,
+    longest_placeable,
+    max_rate,
+    regime_note,
+    report_lines,
+    run_model,
+)
 from infinite_llm.sim.simulator import SimConfig, SimResult, Simulator
 from infinite_llm.sim.traces import Request, TraceSpec, generate, with_arrivals
 
@@ -158,6 +167,17 @@ def test_tiny_setting_reports_every_ratio():
         assert found.rate > 0 and found.result.wait_p90_s <= setting.slo_wait_s
     pooled, static = report.open_loop["pooled"].rate, report.open_loop["static"].rate
     assert report.ratios()["pooled/static short, open-loop"] == pytest.approx(pooled / static)
+    lines = report_lines(report, "TP=1 x PP=1")
+    assert sum("open-loop" in line for line in lines) == 2  # the rates, then the ratio beside the paper's
+    # a mode that sustained no rate: its line says so and no ratio is printed (it would be 0 or infinite)
+    none = dataclasses.replace(report, open_loop={**report.open_loop, "static": OpenLoop(0.0, None)})
+    assert "pooled/static short, open-loop" not in none.ratios()
+    (line,) = [x for x in report_lines(none, "TP=1 x PP=1") if "open-loop" in x]
+    assert line.endswith("; static no rate tried was sustained")
+    capped = dataclasses.replace(report.open_loop["pooled"], at_ceiling=True)
+    ceiling = dataclasses.replace(report, open_loop={**report.open_loop, "pooled": capped})
+    (line,) = [x for x in report_lines(ceiling, "TP=1 x PP=1") if "short open-loop" in x]
+    assert f"pooled at least {pooled:.3g} req/s, the search's ceiling, " in line
 
 
 def test_poisson_arrivals_are_seeded_ordered_and_at_the_rate():
@@ -202,8 +222,15 @@ def test_open_loop_waits_grow_with_the_rate_and_max_rate_keeps_the_slo(cost):
     light, heavy = p90(0.01), p90(1.0)
     assert light < 5.0 < heavy
     found = max_rate(config, spec, seed=0, horizon_s=300.0, slo_wait_s=20.0, saturation_rate=0.2, steps=5)
-    assert 0 < found.rate < 0.3 and found.result.wait_p90_s <= 20.0
+    assert 0 < found.rate < 0.3 and found.result.wait_p90_s <= 20.0 and not found.at_ceiling
+    assert found.result.backlog <= 0.05 * found.rate * 225  # the window's arrivals barely queue
     assert found.rate * 2**5 / 0.3 == pytest.approx(round(found.rate * 2**5 / 0.3))  # a bisection point of [0, 0.3]
+    # every rate tried is sustained: the answer is the search's ceiling, a lower bound, and says so
+    easy = max_rate(config, spec, seed=0, horizon_s=300.0, slo_wait_s=1e6, saturation_rate=0.001, steps=3)
+    assert easy.at_ceiling and easy.rate == pytest.approx(0.0015 * 7 / 8)
+    # none is: no rate, no run
+    hard = max_rate(config, spec, seed=0, horizon_s=300.0, slo_wait_s=1e-9, saturation_rate=0.2, steps=3)
+    assert (hard.rate, hard.result, hard.at_ceiling) == (0.0, None, False)
     with pytest.raises(ValueError, match="must be > 0"):
         max_rate(config, spec, seed=0, horizon_s=300.0, slo_wait_s=0.0, saturation_rate=0.2)
 

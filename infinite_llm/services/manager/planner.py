@@ -247,9 +247,6 @@ def lenders(view: ClusterView, instance_id: str) -> tuple[str, ...]:
 
     state = State.of(view)
     homes = set(state.homes.get(instance_id, ()))
-    allowed = [
-        s
-        for s in state.cap
-        if s not in homes and s not in state.draining and not any(state.borrowing(o) for o in state.owners[s])
-    ]
+    borrowers = state.borrowers()
+    allowed = [s for s in state.cap if s not in homes and s not in state.draining and not state.owners[s] & borrowers]
     return tuple(sorted(allowed, key=lambda s: (bool(state.owners[s]), -state.free[s], s)))

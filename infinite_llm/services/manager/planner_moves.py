@@ -66,12 +66,15 @@ class State:
     def resident_tokens(self, iid: str) -> float:
         return float(sum(self.used(h) for h in self.homes[iid]) * self.block_size)
 
-    def borrowing(self, iid: str) -> bool:
-        """Whether ``iid`` holds rBlocks on a server that is not one of its homes."""
-        homes = set(self.homes[iid])
-        return any(
-            n > 0 and s not in homes for seq, e in self.entries.items() if self.owner[seq] == iid for s, n in e.items()
-        )
+    def borrowers(self) -> set[str]:
+        """The instances that hold rBlocks on a server that is not one of their homes (one pass over the
+        entries)."""
+        out = set()
+        for seq, e in self.entries.items():
+            iid = self.owner[seq]
+            if iid not in out and any(n > 0 and s not in self.homes.get(iid, ()) for s, n in e.items()):
+                out.add(iid)
+        return out
 
     def is_debtor(self, iid: str, config: PlannerConfig) -> bool:
         cap = self.home_cap(iid)
@@ -112,11 +115,8 @@ def drain_moves(state: State, config: PlannerConfig, limit: int) -> Iterator[Mov
 
 def _drain_destinations(state: State, owner: str) -> list[str]:
     homes = [h for h in state.homes.get(owner, ()) if h not in state.draining]
-    lenders = [
-        s
-        for s in state.cap
-        if s not in state.draining and s not in homes and not any(state.borrowing(o) for o in state.owners[s])
-    ]
+    borrowers = state.borrowers()
+    lenders = [s for s in state.cap if s not in state.draining and s not in homes and not state.owners[s] & borrowers]
     lenders.sort(key=lambda s: (bool(state.owners[s]), -state.free[s], s))
     return sorted(homes, key=lambda s: (-state.free[s], s)) + lenders
 
@@ -170,12 +170,12 @@ def _longest_at_home(state: State, iid: str) -> tuple[str, str] | None:
 def creditors_for(state: State, config: PlannerConfig, debtor: str) -> list[tuple[str, int]]:
     """``[(server_id, lendable rBlocks)]`` a debtor may borrow from: not its home, not draining, owned by
     nobody or by instances that neither borrow (no chains) nor use more than ``creditor_max_utilization``."""
-    out = []
+    out, borrowers = [], state.borrowers()
     for s in sorted(state.cap):
         if s in state.draining or s in state.homes[debtor]:
             continue
         owners = state.owners[s]
-        if any(state.borrowing(o) for o in owners):
+        if any(o in borrowers for o in owners):
             continue
         if any(_utilization(state, o) > config.creditor_max_utilization for o in owners):
             continue
@@ -197,9 +197,13 @@ def _best_lend(state: State, config: PlannerConfig, d: str) -> tuple[float, str,
     seq_id, src = longest
     on_src = state.entries[seq_id][src]
     best = None
+    debtor_gains: list[tuple[float, int]] = [(0.0, 0)]  # [k]: the debtor's term of pair_gain, the same for every dst
     for dst, lendable in creditors_for(state, config, d):
+        owners = [(state.loads[o], state.resident_tokens(o)) for o in state.owners[dst]]
         for k in range(1, min(on_src, lendable, config.max_move_blocks) + 1):
-            gain, admitted = pair_gain(state, d, dst, k)
+            if k == len(debtor_gains):
+                debtor_gains.append(_debtor_gain(state, d, k))
+            gain, admitted = _owners_gain(state, owners, k, *debtor_gains[k])
             if gain > 1e-12 and (best is None or gain > best[0]):
                 best = (gain, seq_id, src, dst, k, admitted)
     return best
@@ -213,6 +217,12 @@ def pair_gain(state: State, debtor: str, dst: str, k: int) -> tuple[float, int]:
     resident tokens drop by the ``k`` rBlocks; each owner of ``dst`` keeps its batch and gains ``k`` rBlocks
     of resident tokens (their attention runs on its node).
     """
+    owners = [(state.loads[o], state.resident_tokens(o)) for o in state.owners[dst]]
+    return _owners_gain(state, owners, k, *_debtor_gain(state, debtor, k))
+
+
+def _debtor_gain(state: State, debtor: str, k: int) -> tuple[float, int]:
+    """The debtor's term of :func:`pair_gain`, and the sequences it admits."""
     bs = state.block_size
     load = state.loads[debtor]
     free_before = state.home_free(debtor) * bs
@@ -224,8 +234,15 @@ def pair_gain(state: State, debtor: str, dst: str, k: int) -> tuple[float, int]:
     gain = cost.throughput(load.batch + admitted, r - k * bs + admitted * load.mean_tokens) - cost.throughput(
         load.batch, r
     )
-    for o in state.owners[dst]:
-        lo, ro = state.loads[o], state.resident_tokens(o)
+    return gain, admitted
+
+
+def _owners_gain(
+    state: State, owners: list[tuple[Load, float]], k: int, gain: float, admitted: int
+) -> tuple[float, int]:
+    """:func:`pair_gain` from the debtor's term: plus each owner's ``(load, resident tokens)`` term, in order."""
+    bs = state.block_size
+    for lo, ro in owners:
         gain += lo.view.cost.throughput(lo.batch, ro + k * bs) - lo.view.cost.throughput(lo.batch, ro)
     return gain, admitted
 
