@@ -163,9 +163,9 @@ class ModelReport:
 
         open_loop = {}
         if self.open_loop is not None:
-            # both modes serve the same request mix at a rate they sustain (their queues do not grow), so their
-            # throughputs there are in the ratio of the rates; undefined when either found none
-            pooled, static = self.open_loop["pooled"].rate, self.open_loop["static"].rate
+            # output tokens per second each delivers at its highest sustained rate (not the rates' ratio: a
+            # rate whose queue holds may still be decoding a growing batch); undefined when either found none
+            pooled, static = self.open_loop["pooled"].tokens_per_s, self.open_loop["static"].tokens_per_s
             if pooled > 0 and static > 0:
                 open_loop["pooled/static short, open-loop"] = pooled / static
         return {

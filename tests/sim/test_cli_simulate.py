@@ -49,7 +49,7 @@ EXPECTED_TINY = [
     "  pooled/static short 0.63x (paper 1.35-1.73x): 53% below the paper's range",
     "    why: static instances run batch 2 of 8 at home KV 73%; static refused 1 requests larger than a home "
     "that pooled serves (their prefill and memory count against pooled's output tokens)",
-    "  pooled/static short, open-loop 0.35x (paper 1.35-1.73x): 74% below the paper's range",
+    "  pooled/static short, open-loop 0.49x (paper 1.35-1.73x): 64% below the paper's range",
     "  pooled/single short 1.10x (paper 1.4-5.3x): 22% below the paper's range",
     "  pooled/single long 0.73x (paper 1.4-3.4x): 48% below the paper's range",
     "  pooled/single long, prompt+output tokens 0.97x (paper 1.4-3.4x): 31% below the paper's range",
