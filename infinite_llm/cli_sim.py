@@ -41,6 +41,15 @@ def simulate(
             "--slo-wait-s", min=0.001, help="p90 queueing delay (s) of the open-loop search (default: the setting's)."
         ),
     ] = None,
+    admit_bypass_s: Annotated[
+        float,
+        typer.Option(
+            "--admit-bypass-s",
+            min=0.0,
+            help="Seconds a queue head that does not fit lets later requests that fit pass it, in every mode "
+            "(0: strict FCFS, as vLLM).",
+        ),
+    ] = 0.0,
 ) -> None:
     """Simulate pooled vs static vs one-big-instance serving and print the ratios beside the paper's."""
     from infinite_llm.sim.calibration import load_calibration
@@ -51,6 +60,8 @@ def simulate(
     chosen = SETTINGS[setting]
     if slo_wait_s is not None:
         chosen = replace(chosen, slo_wait_s=slo_wait_s)
+    if admit_bypass_s:
+        chosen = replace(chosen, admit_bypass_s=admit_bypass_s)
     try:
         cal = load_calibration(calibration or chosen.calibration)
     except (ValueError, KeyError, TypeError) as e:

@@ -82,6 +82,7 @@ class Setting:
     slo_wait_s: float = 5.0
     rate_search_steps: int = 7
     open_loop_horizon_s: float = 480.0
+    admit_bypass_s: float = 0.0  # SimConfig.admit_bypass_s of every mode (0: strict FCFS)
 
     @property
     def accelerators(self) -> int:
@@ -209,6 +210,7 @@ def run_model(
         max_num_batched_tokens=setting.max_num_batched_tokens,
         tick_s=setting.tick_s,
         planner=planner,
+        admit_bypass_s=setting.admit_bypass_s,
     )
     configs = {
         "pooled": base,

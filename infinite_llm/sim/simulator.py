@@ -42,7 +42,9 @@ from infinite_llm.sim.traces import Request
 @dataclass(frozen=True)
 class SimConfig:
     """One simulated cluster. ``mode``: ``pooled`` (KV anywhere) or ``static`` (KV on the home only);
-    one instance in ``static`` mode is the one-big-instance baseline."""
+    one instance in ``static`` mode is the one-big-instance baseline. ``admit_bypass_s``: how long (seconds
+    since its arrival) a queue head that does not fit lets the requests behind it that fit pass (0: strict
+    FCFS, as vLLM's scheduler)."""
 
     mode: str
     num_instances: int
@@ -54,10 +56,13 @@ class SimConfig:
     planner: bool = True
     planner_interval_s: float = 1.0
     migration_tokens_per_step: int = 16
+    admit_bypass_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("pooled", "static"):
             raise ValueError(f"mode must be pooled or static, got {self.mode!r}")
+        if self.admit_bypass_s < 0:
+            raise ValueError(f"admit_bypass_s must be >= 0 seconds, got {self.admit_bypass_s}")
         if self.num_instances < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.tick_s <= 0:
             raise ValueError(f"bad simulator config {self}")
 
@@ -244,28 +249,50 @@ class Simulator:
     # ---- admission ---------------------------------------------------------------------------------
     async def _admit(self, inst: Instance, limit: int | None = None) -> None:
         """Admit the queue's head while it can be placed (FCFS: a head that does not fit now blocks), up to
-        ``limit`` running sequences (default ``max_num_seqs``)."""
+        ``limit`` running sequences (default ``max_num_seqs``). With ``admit_bypass_s``, while a head that
+        does not fit has waited less than that, the requests behind it that fit are admitted past it."""
         limit = self.config.max_num_seqs if limit is None else limit
         while inst.queue and len(inst.running) < limit:
             req = inst.queue[0]
             n_blocks = math.ceil(req.context_tokens / self.config.block_size)
             if n_blocks > self._reachable_capacity(inst):
-                self._dequeue(inst)
+                self._dequeue(inst, req)
                 self.refused += 1
                 continue
             blocks = await self._place(inst, req.req_id, n_blocks)
             if blocks is None:
+                if self.now - req.arrival_s < self.config.admit_bypass_s:
+                    await self._bypass(inst, limit)
                 return
-            self._dequeue(inst)
-            if req.arrival_s >= self.wait_from_s:
-                self.waits.append(self.now - req.arrival_s)
-            seq = SimSeq(req, inst.index, blocks)
-            inst.running.append(seq)
-            inst.prefills.append(seq)
-            self.seqs[seq.seq_id] = seq
+            self._start(inst, req, blocks)
 
-    def _dequeue(self, inst: Instance) -> None:
-        inst.queue.popleft()
+    async def _bypass(self, inst: Instance, limit: int) -> None:
+        """Admit the requests behind the head that fit now, in order, up to ``limit`` running."""
+        for req in list(inst.queue)[1:]:
+            if len(inst.running) >= limit:
+                return
+            n_blocks = math.ceil(req.context_tokens / self.config.block_size)
+            if n_blocks > self._reachable_capacity(inst):
+                continue  # refused when it reaches the head
+            blocks = await self._place(inst, req.req_id, n_blocks)
+            if blocks is not None:
+                self._start(inst, req, blocks)
+
+    def _start(self, inst: Instance, req: Request, blocks: dict[str, int]) -> None:
+        """``req`` leaves the queue and runs on its placed ``blocks``."""
+        self._dequeue(inst, req)
+        if req.arrival_s >= self.wait_from_s:
+            self.waits.append(self.now - req.arrival_s)
+        seq = SimSeq(req, inst.index, blocks)
+        inst.running.append(seq)
+        inst.prefills.append(seq)
+        self.seqs[seq.seq_id] = seq
+
+    def _dequeue(self, inst: Instance, req: Request) -> None:
+        if inst.queue[0] is req:
+            inst.queue.popleft()
+        else:
+            inst.queue.remove(req)
         if not inst.queue and self.window is None and not self.open_loop:
             self.window = (self.output_tokens, self.prompt_tokens, self.now)
 

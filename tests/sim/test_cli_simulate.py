@@ -31,6 +31,8 @@ def test_simulate_refuses_an_unknown_setting_and_a_calibration_for_another_model
     assert proc.returncode == 2 and "unknown setting 'huge'" in proc.stderr
     proc = run_cli("simulate", "--setting", "paper", "--calibration", "cpu", "--model", "llama2-7b")
     assert proc.returncode == 2 and "fitted for smollm2-135m" in proc.stderr
+    proc = run_cli("simulate", "--setting", "tiny", "--admit-bypass-s", "-1")
+    assert proc.returncode == 2 and "--admit-bypass-s" in proc.stderr
 
 
 # This CPU's calibration: a step with a remote share waits ~42 ms more (the gRPC mesh's fan-out measured by

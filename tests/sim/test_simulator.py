@@ -212,6 +212,36 @@ def test_an_idle_instance_admits_an_arrival_at_once_and_an_overloaded_one_queues
     assert sim.servers.free_blocks == {"s0": 128, "s1": 128}
 
 
+def test_a_head_that_does_not_fit_lets_later_requests_pass_for_admit_bypass_s_then_blocks_again(cost):
+    # one static instance of 128 rBlocks: a 1,600-token request runs, a 1,000-token one cannot join it (the
+    # head), then short ones arrive behind the head
+    trace = [Request("big", 1500, 100, 1.0), Request("head", 900, 100, 2.0)]
+    trace += [Request(f"s{i}", 100, 10, 3.0 + i) for i in range(4)]
+
+    def admitted_at(bypass_s: float) -> dict[str, float]:
+        config = SimConfig("static", 1, cost, max_num_seqs=8, max_num_batched_tokens=512, tick_s=1.0,
+                           admit_bypass_s=bypass_s)  # fmt: skip
+        sim = Simulator(config, trace, to_completion=True)
+        start, at = sim._start, {}
+
+        def record(inst, req, blocks):
+            at[req.req_id] = sim.now
+            start(inst, req, blocks)
+
+        sim._start = record
+        result = asyncio.run(sim.run())
+        assert result.served == len(trace) and sim.servers.free_blocks == {"s0": 128}
+        return at
+
+    fcfs, passing = admitted_at(0.0), admitted_at(1e6)
+    assert all(fcfs[f"s{i}"] >= fcfs["head"] for i in range(4))  # strict FCFS: nobody passes the head
+    assert all(passing[f"s{i}"] < passing["head"] for i in range(4))  # they fit beside "big": they pass
+    bounded = admitted_at(3.5)  # the head (arrived at 2.0) lets pass only until 5.5: s0 to s2, not s3
+    assert [bounded[f"s{i}"] < bounded["head"] for i in range(4)] == [True, True, True, False]
+    with pytest.raises(ValueError, match="admit_bypass_s must be >= 0"):
+        SimConfig("static", 1, cost, admit_bypass_s=-1.0)
+
+
 def test_open_loop_waits_grow_with_the_rate_and_max_rate_keeps_the_slo(cost):
     spec = TraceSpec("short", 10, 0.1, 1000, 1800)
     config = SimConfig("static", 2, cost, max_num_seqs=4, max_num_batched_tokens=512, tick_s=1.0)
