@@ -267,16 +267,21 @@ class Simulator:
             self._start(inst, req, blocks)
 
     async def _bypass(self, inst: Instance, limit: int) -> None:
-        """Admit the requests behind the head that fit now, in order, up to ``limit`` running."""
+        """Admit the requests behind the head that fit now, in order, up to ``limit`` running. A request larger
+        than the free rBlocks it could reach is skipped without asking the placement (a saturated queue is
+        long)."""
+        free = self.view.free_blocks()
+        reachable = free[inst.home] if self.config.mode == "static" else sum(free.values())
         for req in list(inst.queue)[1:]:
-            if len(inst.running) >= limit:
+            if len(inst.running) >= limit or reachable <= 0:
                 return
             n_blocks = math.ceil(req.context_tokens / self.config.block_size)
-            if n_blocks > self._reachable_capacity(inst):
-                continue  # refused when it reaches the head
+            if n_blocks > reachable:
+                continue  # too large now (or ever: refused when it reaches the head)
             blocks = await self._place(inst, req.req_id, n_blocks)
             if blocks is not None:
                 self._start(inst, req, blocks)
+                reachable -= n_blocks
 
     def _start(self, inst: Instance, req: Request, blocks: dict[str, int]) -> None:
         """``req`` leaves the queue and runs on its placed ``blocks``."""
