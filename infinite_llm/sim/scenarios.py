@@ -219,14 +219,14 @@ def run_model(
     }
     results = {}
     specs = traces(setting, cost.kv_capacity_tokens, instances, seed)
-    for trace_name, spec in specs.items():
-        requests = generate(spec, seed)
+    requests = {name: generate(spec, seed) for name, spec in specs.items()}
+    for trace_name in specs:
         for mode, config in configs.items():
-            results[(trace_name, mode)] = asyncio.run(Simulator(config, requests, horizon_s=run.horizon_s).run())
+            sim = Simulator(config, requests[trace_name], horizon_s=run.horizon_s)
+            results[(trace_name, mode)] = asyncio.run(sim.run())
     rates = None
     if open_loop:
-        short = generate(specs["short"], seed)
-        mean_output = sum(r.output_tokens for r in short) / len(short)
+        mean_output = sum(r.output_tokens for r in requests["short"]) / len(requests["short"])
         rates = {
             mode: max_rate(
                 configs[mode],
@@ -278,9 +278,9 @@ def max_rate(
     for _ in range(steps):
         rate = (lo + hi) / 2
         n = int(rate * horizon_s * 1.2) + 16  # arrivals outlast the horizon
-        requests = with_arrivals(generate(replace(spec, n=n), seed), rate, seed)
-        result = asyncio.run(Simulator(config, requests, horizon_s=horizon_s).run())
-        arrived = rate * horizon_s * 3 / 4  # expected arrivals in the window (after the ramp-up's quarter)
+        sim = Simulator(config, with_arrivals(generate(replace(spec, n=n), seed), rate, seed), horizon_s=horizon_s)
+        result = asyncio.run(sim.run())
+        arrived = rate * (horizon_s - sim.wait_from_s)  # expected arrivals whose waits count
         if result.wait_p90_s <= slo_wait_s and result.backlog <= max_backlog * arrived:
             lo, best = rate, result
         else:
