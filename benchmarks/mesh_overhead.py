@@ -4,7 +4,12 @@ in the gRPC stream (``grpc``) and on gloo tensor channels with gRPC keeping the 
 
 All three run in this run, one after the other (one mesh at a time), on SmolLM2-135M-Instruct fp32 (CPU).
 A decode step's time is isolated from prefill by generating ``n`` and 1 new tokens and dividing the extra
-time by ``n - 1``. The single-process engine uses 3 DistAttention partitions, so the only difference is the
+time by ``n - 1``; the same difference isolates a decode step's fan-out time and CPU. Beside the wall times
+the run prints where the CPU went per decode step: the in-process engine's, and in each mesh the compute
+instance's and the three attention servers' (user + system seconds from ``/proc``), with how many of the
+machine's cores every process together kept busy. On a machine with few cores this shows what sets the
+mesh's step: the servers' CPU per layer and the wake-ups between processes, not the bytes on the wire.
+The single-process engine uses 3 DistAttention partitions, so the only difference is the
 hop to the attention servers. The last line reads ``mesh/local batch 16: grpc X.XXx torch Y.YYx``.
 Run: ``.venv/bin/python benchmarks/mesh_overhead.py``.
 """
@@ -13,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from engine_throughput import decode_step_seconds, prompts  # same workload and method, side by side
@@ -29,10 +37,8 @@ from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.state.etcd_launcher import free_port
 
 
-def local_seconds(engine: LLMEngine, ids: list[list[int]], n: int) -> float:
-    t = time.perf_counter()
+def local_run(engine: LLMEngine, ids: list[list[int]], n: int) -> None:
     engine.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    return time.perf_counter() - t
 
 
 def mesh_seconds(client: Client, ids: list[list[int]], n: int) -> float:
@@ -43,8 +49,75 @@ def mesh_seconds(client: Client, ids: list[list[int]], n: int) -> float:
     return time.perf_counter() - t
 
 
-def step_ms(run, ids, n: int) -> float:
+def step_ms(run, ids, n: int) -> float:  # noqa: ANN001
     return 1e3 * decode_step_seconds(run, ids, n)
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds of process ``pid`` so far, its finished threads included (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds of every process on the machine so far (``/proc``; one that ends meanwhile is skipped)."""
+    total = 0.0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                total += cpu_seconds(entry.name)
+            except (OSError, IndexError, ValueError):
+                continue
+    return total
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Cumulative counters read around a run: fan-out seconds and count (``DistAttention``), CPU seconds of
+    the compute side (the local engine's process, or the compute instance) and of the attention servers,
+    and of the whole machine."""
+
+    wall: float
+    fan_out_s: float
+    fan_outs: int
+    compute_cpu: float
+    servers_cpu: float
+    machine_cpu: float
+
+    def minus(self, other: Counters) -> Counters:
+        return Counters(*(a - b for a, b in zip(self.__dict__.values(), other.__dict__.values(), strict=True)))
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step, from ``run(n) - run(1)`` over ``n - 1`` steps: wall ms, ms per layer fan-out, CPU ms
+    of the compute side and of the attention servers, and the machine's busy cores meanwhile."""
+
+    ms: float
+    fan_out_ms: float
+    compute_cpu_ms: float
+    servers_cpu_ms: float
+    cores: float
+
+
+def decode_step(run: Callable[[list[list[int]], int], object], ids, n: int, read: Callable[[], Counters]) -> DecodeStep:  # noqa: ANN001
+    """engine_throughput's method (``run(ids, n)`` minus ``run(ids, 1)``, one warm-up), with counters."""
+    run(ids, 2)
+    c0 = read()
+    run(ids, n)
+    c1 = read()
+    run(ids, 1)
+    c2 = read()
+    d = c1.minus(c0).minus(c2.minus(c1))  # the n - 1 decode steps alone
+    steps = n - 1
+    return DecodeStep(
+        ms=1e3 * max(d.wall, 1e-9) / steps,
+        fan_out_ms=1e3 * d.fan_out_s / max(d.fan_outs, 1),
+        compute_cpu_ms=1e3 * d.compute_cpu / steps,
+        servers_cpu_ms=1e3 * d.servers_cpu / steps,
+        cores=d.machine_cpu / max(d.wall, 1e-9),
+    )
 
 
 def compute_stats(address: str, tls) -> cpb.ComputeStatsResponse:  # noqa: ANN001
@@ -55,7 +128,7 @@ def compute_stats(address: str, tls) -> cpb.ComputeStatsResponse:  # noqa: ANN00
 def measure_mesh(  # noqa: ANN001
     transport: str, batches: list[int], tokenizer, new_tokens: int, service_nice: int = SERVICE_NICE
 ) -> dict[int, tuple[float, float]]:
-    """``{batch: (ms per decode step, ms per layer fan-out)}`` through a fresh mesh using ``transport``."""
+    """``{batch: DecodeStep}`` through a fresh mesh using ``transport``."""
     config = MeshConfig(
         attention_servers=3,
         compute_instances=1,
@@ -67,14 +140,23 @@ def measure_mesh(  # noqa: ANN001
     )
     out = {}
     with LocalMesh(config) as mesh, Client(mesh.router_address, tls=mesh.tls("client")) as client:
-        compute = mesh.compute_instances()[0].address
+        compute = mesh.compute_instances()[0]
+        servers = [p.popen.pid for p in mesh.attention_servers()]
+
+        def read() -> Counters:
+            stats = compute_stats(compute.address, mesh.tls("router"))
+            return Counters(
+                time.perf_counter(),
+                stats.layer_rpc_seconds,
+                stats.layer_rpc_count,
+                cpu_seconds(compute.popen.pid),
+                sum(map(cpu_seconds, servers)),
+                machine_cpu_seconds(),
+            )
+
         for batch in batches:
             ids = prompts(tokenizer, batch)
-            before = compute_stats(compute, mesh.tls("router"))
-            remote = step_ms(lambda i, n: mesh_seconds(client, i, n), ids, new_tokens)
-            after = compute_stats(compute, mesh.tls("router"))
-            calls = after.layer_rpc_count - before.layer_rpc_count
-            out[batch] = (remote, 1e3 * (after.layer_rpc_seconds - before.layer_rpc_seconds) / max(calls, 1))
+            out[batch] = decode_step(lambda i, n: mesh_seconds(client, i, n), ids, new_tokens, read)
         fell_back = "tensors travel over gRPC" in (mesh.log_dir / "compute-0.log").read_text(encoding="utf-8")
     if fell_back:
         print(f"warning: the {transport} mesh fell back to gRPC for some attention server (see its compute log)")
@@ -94,12 +176,18 @@ def main() -> None:
         cfg, state_dict, tokenizer, EngineConfig(num_partitions=3, enable_prefix_caching=False)
     )
 
-    def local_ms(b: int) -> float:
-        return step_ms(lambda i, n: local_seconds(engine, i, n), prompts(tokenizer, b), a.new_tokens)
+    def read() -> Counters:
+        kv = engine.kv
+        cpu = cpu_seconds()
+        return Counters(time.perf_counter(), kv.fan_out_seconds, kv.fan_out_count, cpu, 0.0, machine_cpu_seconds())
 
-    local = {b: local_ms(b) for b in a.batches}
+    def local_step(b: int) -> DecodeStep:
+        return decode_step(lambda i, n: local_run(engine, i, n), prompts(tokenizer, b), a.new_tokens, read)
+
+    first = {b: local_step(b) for b in a.batches}
     mesh = {t: measure_mesh(t, a.batches, tokenizer, a.new_tokens, a.service_nice) for t in ("grpc", "torch")}
-    local = {b: min(local[b], local_ms(b)) for b in a.batches}  # best of before and after: other load drifts
+    # The best of before and after the meshes: other load drifts.
+    local = {b: min(first[b], local_step(b), key=lambda r: r.ms) for b in a.batches}
     print(
         f"model {resolve_model(None).name}, fp32, {cfg.num_hidden_layers} layers, {a.new_tokens} new tokens; "
         f"mesh: 1 compute + 3 attention servers on loopback, the others at nice {a.service_nice}; "
@@ -110,18 +198,35 @@ def main() -> None:
         f"{'torch/local':>12s} {'grpc ms/layer':>14s} {'torch ms/layer':>15s}"
     )
     for b in a.batches:
-        (g, g_layer), (t, t_layer) = mesh["grpc"][b], mesh["torch"][b]
+        lo, g, t = local[b].ms, mesh["grpc"][b], mesh["torch"][b]
         print(
-            f"{b:5d} {local[b]:14.1f} {g:13.1f} {t:14.1f} {g / local[b]:11.2f} {t / local[b]:12.2f} "
-            f"{g_layer:14.2f} {t_layer:15.2f}"
+            f"{b:5d} {lo:14.1f} {g.ms:13.1f} {t.ms:14.1f} {g.ms / lo:11.2f} {t.ms / lo:12.2f} "
+            f"{g.fan_out_ms:14.2f} {t.fan_out_ms:15.2f}"
         )
     print(
-        "ms/layer: wall time of one layer's fan-out to every attention server of the batch (all steps, prefill "
-        f"included); {cfg.num_hidden_layers} of them make a step."
+        "ms/layer: wall time of one layer's fan-out to every attention server of the batch and the merge (decode "
+        f"steps); {cfg.num_hidden_layers} of them make a step."
+    )
+    print(f"\nwhere a decode step's time and CPU went ({os.cpu_count()} cores on this machine):")
+    print(
+        f"{'batch':>5s} {'run':>6s} {'ms/step':>8s} {'fan-out ms/layer':>17s} {'compute CPU ms':>15s} "
+        f"{'servers CPU ms':>15s} {'busy cores':>11s}"
+    )
+    for b in a.batches:
+        for name, r in (("local", local[b]), ("grpc", mesh["grpc"][b]), ("torch", mesh["torch"][b])):
+            print(
+                f"{b:5d} {name:>6s} {r.ms:8.1f} {r.fan_out_ms:17.2f} {r.compute_cpu_ms:15.1f} "
+                f"{r.servers_cpu_ms:15.1f} {r.cores:11.2f}"
+            )
+    print(
+        "CPU ms per decode step: compute = the local engine's process, or the compute instance (dense layers, "
+        "fan-out and merge); servers = the 3 attention servers together; busy cores = every process's CPU "
+        "over the wall time."
     )
     b = max(a.batches)
     print(
-        f"mesh/local batch {b}: grpc {mesh['grpc'][b][0] / local[b]:.2f}x torch {mesh['torch'][b][0] / local[b]:.2f}x"
+        f"mesh/local batch {b}: grpc {mesh['grpc'][b].ms / local[b].ms:.2f}x "
+        f"torch {mesh['torch'][b].ms / local[b].ms:.2f}x"
     )
 
 
