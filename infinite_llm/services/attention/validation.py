@@ -38,16 +38,20 @@ def check_step_open(seqs: list[SeqStep], num_heads: int, layout: KVLayout) -> No
 def check_layer(
     step: ServerStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: KVLayout
 ) -> None:
-    """Dtypes, shapes against the step's plan, and finiteness of one layer's tensors."""
+    """Dtypes, shapes against the step's plan, and finiteness of one layer's tensors (read back once: on a
+    GPU, one host sync per layer rather than one per tensor)."""
     want = {
         "query": [step.plan.num_tokens, step.num_heads, layout.head_dim],
         "key": [step.plan.num_new_here, layout.num_kv_heads, layout.head_dim],
         "value": [step.plan.num_new_here, layout.num_kv_heads, layout.head_dim],
     }
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    tensors = {"query": query, "key": key, "value": value}
+    for name, t in tensors.items():
         if t.dtype != layout.dtype or list(t.shape) != want[name]:
             raise InvalidRequest(f"{name} is {t.dtype} {list(t.shape)}, the step needs {layout.dtype} {want[name]}")
-        if not bool(torch.isfinite(t).all()):
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()
+    for name, ok in zip(tensors, finite, strict=True):
+        if not ok:
             raise InvalidRequest(f"{name} holds NaN or infinite values")
 
 
