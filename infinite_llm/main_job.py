@@ -4,6 +4,10 @@ Brings up the local mesh with attention servers whose ``--kv-memory`` is each to
 context, streams the answer to a question about a document that ships with the OS (thousands of tokens),
 then prints how the request's rBlocks were spread over the servers and the tokens/s.
 Run: ``python -m infinite_llm.main_job [--doc PATH] [--question TEXT] [--attention-servers N]``.
+
+Bad input (a document that is missing, not a file, not UTF-8 text or empty; counts below 1; a document
+longer than the model's context) exits 2 with one line on stderr, before the mesh starts; an error the
+mesh returns exits 1 with one line.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from infinite_llm.client import Client
+from infinite_llm.client.errors import InfiniteLLMError
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.mesh import LocalMesh, MeshConfig
@@ -27,8 +32,41 @@ out = Console(soft_wrap=True)  # lines are not cut at 80 columns when stdout is 
 err = Console(stderr=True, soft_wrap=True)
 
 
-def build_prompt(tokenizer, doc: str, question: str) -> list[int]:  # noqa: ANN001
-    text = open(doc, encoding="utf-8").read()
+class BadInput(ValueError):
+    """A flag the job cannot run with; its message is the one line the user sees."""
+
+
+def read_document(doc: str) -> str:
+    """The document's text. Raises ``BadInput`` when it is missing, not a regular file, unreadable, not
+    UTF-8 text, or empty."""
+    try:
+        with open(doc, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise BadInput(f"--doc {doc}: no such file") from None
+    except IsADirectoryError:
+        raise BadInput(f"--doc {doc}: is a directory, not a file") from None
+    except PermissionError:
+        raise BadInput(f"--doc {doc}: not readable (permission denied)") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"--doc {doc}: not UTF-8 text (byte {e.start} cannot be decoded)") from None
+    except OSError as e:
+        raise BadInput(f"--doc {doc}: cannot be read ({e.strerror})") from None
+    if not text.strip():
+        raise BadInput(f"--doc {doc}: the document is empty")
+    return text
+
+
+def check_counts(a: argparse.Namespace) -> None:
+    """Raises ``BadInput`` for a count below 1 or an empty question."""
+    for flag in ("attention_servers", "max_tokens", "block_size"):
+        if getattr(a, flag) < 1:
+            raise BadInput(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
+    if not a.question.strip():
+        raise BadInput("--question is empty")
+
+
+def build_prompt(tokenizer, text: str, question: str) -> list[int]:  # noqa: ANN001
     content = f"{text}\n\nQuestion: {question}"
     templated = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     return tokenizer.encode(templated, add_special_tokens=False)
@@ -52,10 +90,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     a = ap.parse_args(argv)
-    resolved = resolve_model(None)
-    model_config = load_model_config(resolved)
-    tokenizer = load_tokenizer(resolved, model_config)
-    ids = build_prompt(tokenizer, a.doc, a.question)
+    try:
+        check_counts(a)
+        text = read_document(a.doc)
+        resolved = resolve_model(None)
+        model_config = load_model_config(resolved)
+        tokenizer = load_tokenizer(resolved, model_config)
+        ids = build_prompt(tokenizer, text, a.question)
+        context = model_config.max_position_embeddings
+        if len(ids) + a.max_tokens > context:
+            raise BadInput(
+                f"--doc {a.doc}: {len(ids)} prompt tokens + --max-tokens {a.max_tokens} exceed the model's "
+                f"context of {context} tokens; use a shorter document"
+            )
+    except BadInput as e:
+        err.print(f"error: {e}", markup=False, highlight=False)
+        return 2
     kv_memory = per_server_memory(model_config, len(ids), a.max_tokens, a.attention_servers, a.block_size)
     job_kv = (
         len(ids)
@@ -72,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         mesh = LocalMesh(config).start()
     try:
         return ask(mesh, ids, a, len(ids))
+    except InfiniteLLMError as e:  # the mesh refused or failed the request: one line, not a traceback
+        out.print()
+        err.print(f"error: {e}", markup=False, highlight=False)
+        return 1
     finally:
         mesh.stop()
 
