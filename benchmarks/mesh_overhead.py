@@ -223,6 +223,17 @@ def main() -> None:
         "fan-out and merge); servers = the 3 attention servers together; busy cores = every process's CPU "
         "over the wall time."
     )
+    cores = os.cpu_count() or 1
+    for b in a.batches:
+        floor = {
+            t: (r.compute_cpu_ms + r.servers_cpu_ms) / cores / local[b].ms for t, r in ((t, mesh[t][b]) for t in mesh)
+        }
+        print(
+            f"batch {b}: the mesh's CPU per step spread evenly over all {cores} cores takes grpc "
+            f"{floor['grpc']:.2f}x, torch {floor['torch']:.2f}x local's step: the mesh steps no faster here "
+            "unless it spends less CPU (its layers are sequential, so in practice the cores are not all busy; "
+            "OpenMP's spin-waits count as CPU, which at batch 1 inflates local's)"
+        )
     b = max(a.batches)
     print(
         f"mesh/local batch {b}: grpc {mesh['grpc'][b].ms / local[b].ms:.2f}x "
