@@ -127,7 +127,7 @@ def compute_stats(address: str, tls) -> cpb.ComputeStatsResponse:  # noqa: ANN00
 
 def measure_mesh(  # noqa: ANN001
     transport: str, batches: list[int], tokenizer, new_tokens: int, service_nice: int = SERVICE_NICE
-) -> dict[int, tuple[float, float]]:
+) -> dict[int, DecodeStep]:
     """``{batch: DecodeStep}`` through a fresh mesh using ``transport``."""
     config = MeshConfig(
         attention_servers=3,
