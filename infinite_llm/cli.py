@@ -7,12 +7,9 @@ stderr, so the output can be piped); ``fetch-model`` prepares the default model 
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -198,7 +195,6 @@ def _generate_via_router(
     start, last = time.perf_counter(), None
     with Client(router, tls=tls, api_key=api_key) as client:
         chunks = client.stream(prompt, max_tokens=max_tokens, model=served, **sampling)
-        chunks = _read_on_a_thread(chunks, cancel=lambda: client.close())
         with _cancel_on_interrupt(chunks):
             for chunk in chunks:
                 sys.stdout.write(chunk.text)
@@ -219,49 +215,6 @@ def _generate_via_router(
         )
 
 
-_END = object()
-INTERRUPT_EXIT_S = 3.0  # after Ctrl-C, the process exits by this many seconds even if closing hangs
-
-
-def _read_on_a_thread(items: Iterator, cancel: Callable[[], None]) -> Iterator:
-    """``items`` read on a worker thread and handed over through a queue.
-
-    Why: Ctrl-C raises ``KeyboardInterrupt`` wherever the main thread is. Inside gRPC's blocking read it can
-    leave the call half cancelled, and closing the channel then hangs (grpc/grpc#19973): a CI run saw a
-    ``generate --router`` process still alive 30 s after SIGINT. Here the main thread only waits on the
-    queue. Closing this iterator early (or an interrupt while it waits) calls ``cancel`` (closing the
-    channel cancels the call, and the router frees the request's rBlocks) and gives the reader 5 s to end.
-    An error ``items`` raises is raised here."""
-    handoff: queue.SimpleQueue = queue.SimpleQueue()
-
-    def read() -> None:
-        try:
-            for item in items:
-                handoff.put((item, None))
-        except BaseException as e:  # noqa: BLE001 (handed to the main thread, raised there)
-            handoff.put((None, e))
-        else:
-            handoff.put((_END, None))
-
-    reader = threading.Thread(target=read, name="stream-reader", daemon=True)
-    reader.start()
-    try:
-        while True:
-            try:
-                item, error = handoff.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if error is not None:
-                raise error
-            if item is _END:
-                return
-            yield item
-    finally:
-        if reader.is_alive():
-            cancel()
-            reader.join(5.0)
-
-
 @contextmanager
 def _cancel_on_interrupt(stream: Iterator) -> Iterator[None]:
     """Ctrl-C (SIGINT) while ``stream`` runs closes it at once (through the mesh: the call is cancelled, and the
@@ -270,15 +223,10 @@ def _cancel_on_interrupt(stream: Iterator) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
+        stream.close()
         sys.stdout.write("\n")
         sys.stdout.flush()
         err.print("interrupted: the request was cancelled")
-        # A safety net: should cancelling or closing the channel hang (gRPC has had such bugs), the process
-        # still ends. Two CI runs saw `generate --router` alive 30 s after SIGINT; it never did here.
-        watchdog = threading.Timer(INTERRUPT_EXIT_S, os._exit, args=(130,))
-        watchdog.daemon = True
-        watchdog.start()
-        stream.close()
         raise typer.Exit(130) from None
 
 

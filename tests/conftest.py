@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 
 import pytest
 import torch
 
 LONG_DOCUMENT = "/usr/share/common-licenses/GPL-3"  # ships with Debian's base-files; nobody here wrote it
+
+# A suite started in the background by a shell without job control (`nohup make test &`, some CI runners)
+# inherits SIGINT ignored, and so would every process the tests start: those that test Ctrl-C would wait for
+# an exit that never comes. The tests run as if started from a terminal: Python's own SIGINT handler here,
+# the default disposition in every child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # Set where the model cannot be downloaded (the GPU machine): tests that need it skip instead of trying pip.
