@@ -225,9 +225,7 @@ def main() -> None:
     )
     cores = os.cpu_count() or 1
     for b in a.batches:
-        floor = {
-            t: (r.compute_cpu_ms + r.servers_cpu_ms) / cores / local[b].ms for t, r in ((t, mesh[t][b]) for t in mesh)
-        }
+        floor = {t: (runs[b].compute_cpu_ms + runs[b].servers_cpu_ms) / cores / local[b].ms for t, runs in mesh.items()}
         print(
             f"batch {b}: the mesh's CPU per step spread evenly over all {cores} cores takes grpc "
             f"{floor['grpc']:.2f}x, torch {floor['torch']:.2f}x local's step: the mesh steps no faster here "
