@@ -30,7 +30,7 @@ run: install model
 	$(BIN)/python -m infinite_llm.main_job --doc "$(DOC)" --question "$(QUESTION)"
 
 test: install model lm-eval-venv aiperf-venv
-	$(BIN)/python -m pytest -q -ra --durations=60
+	$(BIN)/python -m pytest -q -ra --durations=60 -n 2
 
 # lm-eval runs in the tests from a virtual environment of its own: its dependencies clash with the project's
 # (python-dateutil < 3 for its table writer, >= 3 for the Kubernetes client). torch is the CPU wheel, exact;

@@ -23,6 +23,29 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`). The end-to-end tests start whole meshes as
+# processes and some time them (a block freed within 1 s, a lease expiry, a router's grace): they run one at a
+# time, in file order, on one worker, as in a serial run; two meshes at once on a 2-core machine time each
+# other out (a run that let them failed a tensor-channel test). Every other file is a unit of its own, so its
+# module fixtures are built once. (xdist's `--dist loadgroup` cannot say this under pytest 9: it renames node
+# ids through an attribute pytest 9 no longer reads.)
+E2E = "tests/e2e/"
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+        from xdist.scheduler import LoadScopeScheduling
+
+        class E2EOnOneWorker(LoadScopeScheduling):
+            """Work units: every end-to-end test together, and each other file."""
+
+            def _split_scope(self, nodeid: str) -> str:
+                path = nodeid.split("::", 1)[0]
+                return E2E if path.startswith(E2E) else path
+
+        return E2EOnOneWorker(config, log)
+
+
 # Set where the model cannot be downloaded (the GPU machine): tests that need it skip instead of trying pip.
 NO_DOWNLOAD_ENV = "INFINITE_LLM_TESTS_NO_DOWNLOAD"
 
