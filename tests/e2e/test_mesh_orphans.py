@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -77,20 +78,22 @@ class Streams:
 
 
 REFERENCE_TOKENS = 48  # the longest reference a test compares with
-_references: dict[int, list[list[int]]] = {}  # id(mesh) -> the first REFERENCE_TOKENS greedy tokens per prompt
 
 
-def references(mesh: LocalMesh, max_tokens: int) -> list[list[int]]:
-    """The undisturbed greedy output of each prompt (non-streamed), ``max_tokens`` of it. Computed once per
-    mesh, on its first use (the mesh healthy): greedy decoding with ``ignore_eos`` makes ``n`` tokens the
-    first ``n`` of any longer output, so the tests share one generation (~14 s each on 2 cores)."""
-    assert max_tokens <= REFERENCE_TOKENS
-    if id(mesh) not in _references:
-        with Client(mesh.router_address) as client:
-            _references[id(mesh)] = [
-                client.generate(p, max_tokens=REFERENCE_TOKENS, **GREEDY).token_ids for p in PROMPTS
-            ]
-    return [ref[:max_tokens] for ref in _references[id(mesh)]]
+@pytest.fixture(scope="module")
+def references(fault_mesh) -> Callable[[int], list[list[int]]]:
+    """``references(max_tokens)``: the undisturbed greedy output of each prompt (non-streamed), ``max_tokens``
+    of it. Generated once, when the first test asks (the mesh healthy): greedy decoding with ``ignore_eos``
+    makes ``n`` tokens the first ``n`` of any longer output, so the tests share one generation (~14 s each on
+    2 cores)."""
+    with Client(fault_mesh.router_address) as client:
+        full = [client.generate(p, max_tokens=REFERENCE_TOKENS, **GREEDY).token_ids for p in PROMPTS]
+
+    def first(max_tokens: int) -> list[list[int]]:
+        assert max_tokens <= REFERENCE_TOKENS
+        return [ref[:max_tokens] for ref in full]
+
+    return first
 
 
 def seconds_to_clean(mesh: LocalMesh, timeout_s: float) -> float:
@@ -131,9 +134,9 @@ def _serves(client: Client) -> bool:
         return False
 
 
-def test_requests_outlive_a_manager_sigkill_and_restart_with_identical_output(fault_mesh):
+def test_requests_outlive_a_manager_sigkill_and_restart_with_identical_output(fault_mesh, references):
     mesh = fault_mesh
-    ref = references(mesh, max_tokens=48)
+    ref = references(48)
     with Client(mesh.router_address) as client:
         short_ids = client.tokenize(TEXT[:200])[:20]  # + 4 new tokens: within its first 2 rBlocks
         short_ref = client.generate(short_ids, max_tokens=4, **GREEDY).token_ids
@@ -159,9 +162,9 @@ def test_requests_outlive_a_manager_sigkill_and_restart_with_identical_output(fa
     print(f"  no orphans {clean_s:.1f} s after the streams ended")
 
 
-def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh):
+def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh, references):
     mesh = fault_mesh
-    ref = references(mesh, max_tokens=48)
+    ref = references(48)
     streams = Streams(mesh, PROMPTS, max_tokens=48)
     streams.wait_tokens(3)
     port, data_dir = mesh.etcd.client_port, mesh.etcd.data_dir
@@ -175,9 +178,9 @@ def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh):
 
 
 @pytest.mark.step_recoveries  # it stops an attention server mid-step
-def test_attention_server_paused_past_its_lease_is_fenced_and_rejoins_empty(fault_mesh):
+def test_attention_server_paused_past_its_lease_is_fenced_and_rejoins_empty(fault_mesh, references):
     mesh = fault_mesh
-    ref = references(mesh, max_tokens=48)
+    ref = references(48)
     streams = Streams(mesh, PROMPTS, max_tokens=48)
     streams.wait_tokens(3)
     placed = {s for shares in ledger(mesh).values() for s, _ in shares}
@@ -228,9 +231,9 @@ def test_a_stopping_router_whose_grace_runs_out_ends_its_streams_with_unavailabl
     assert wait_until(lambda: no_orphans(mesh), 60), (ledger(mesh), "rBlocks or ledger entries leaked")
 
 
-def test_sigterm_to_the_router_refuses_new_requests_and_lets_streams_in_flight_finish(fault_mesh):
+def test_sigterm_to_the_router_refuses_new_requests_and_lets_streams_in_flight_finish(fault_mesh, references):
     mesh = fault_mesh
-    ref = references(mesh, max_tokens=32)
+    ref = references(32)
     streams = Streams(mesh, PROMPTS, max_tokens=32)
     streams.wait_tokens(2)
     router = next(p for p in mesh.procs if p.name == "router")
