@@ -46,6 +46,18 @@ if importlib.util.find_spec("xdist") is not None:
         return E2EOnOneWorker(config, log)
 
 
+# Each xdist worker gets its share of the cores. torch's default, one OpenMP thread per core in every worker,
+# oversubscribes the machine, and an OpenMP region then waits at its barrier for a thread the OS descheduled:
+# two engine test files on 2 workers took 107 s with 2 threads per worker and 54 s with 1 (2026-12-03, 2
+# cores). The processes the tests start (meshes, the CLI) inherit the share through OMP_NUM_THREADS. A
+# caller's OMP_NUM_THREADS wins; a serial run (no xdist) keeps torch's default.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
+
+
 # Set where the model cannot be downloaded (the GPU machine): tests that need it skip instead of trying pip.
 NO_DOWNLOAD_ENV = "INFINITE_LLM_TESTS_NO_DOWNLOAD"
 

@@ -51,10 +51,13 @@ def test_static_decode_gives_the_eager_tokens_and_writes_the_same_kv(make_engine
     graphs = static.runner.decode_graphs
     assert graphs.num_eager >= max(p.max_tokens for p in params) - 1 and not graphs.graphs
     assert static.kv.num_free_blocks == 96
-    for p, holder in static.kv.transport.holders.items():  # padding rows and other holders' rows wrote nothing
+    # Padding rows and other holders' rows wrote nothing (a stray write is O(1)). The two engines run their
+    # matmuls at different batch sizes (static pads to a bucket), so the KV they wrote differs by rounding:
+    # up to 1.4e-5 with one thread per process (2026-12-03), hence 1e-4.
+    for p, holder in static.kv.transport.holders.items():
         other = eager.kv.transport.holders[p]
-        torch.testing.assert_close(holder.k_cache, other.k_cache, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(holder.v_cache, other.v_cache, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(holder.k_cache, other.k_cache, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(holder.v_cache, other.v_cache, atol=1e-4, rtol=1e-4)
 
 
 def test_static_decode_equals_hf_around_block_boundaries(make_engine, hf_model):
