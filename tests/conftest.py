@@ -52,8 +52,10 @@ if importlib.util.find_spec("xdist") is not None:
 # cores). The processes the tests start (meshes, the CLI) inherit the share through OMP_NUM_THREADS. A
 # caller's OMP_NUM_THREADS wins; a serial run (no xdist) keeps torch's default.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+THREADS_FROM_CALLER = "OMP_NUM_THREADS" in os.environ
+if _WORKERS > 1 and not THREADS_FROM_CALLER:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # macOS
+    _THREADS = max(1, _CORES // _WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     torch.set_num_threads(_THREADS)
 
