@@ -195,8 +195,10 @@ def test_an_order_without_a_result_expires_and_a_late_result_changes_nothing(etc
 def test_a_sequence_whose_move_failed_is_not_planned_again_until_its_backoff_runs_out(
     etcd_server, etcd_prefix, monkeypatch
 ):
-    """A refused order (a preempted sequence) is not re-ordered at every tick: back-off, doubled per failure."""
-    monkeypatch.setattr(migrations_module, "RETRY_BACKOFF_S", 0.5)
+    """A refused order (a preempted sequence) is not re-ordered at every tick: back-off, doubled per failure.
+    The back-off starts inside ``settle``, which then waits on RPCs: the test bounds that instant by the times
+    before and after ``failed_order`` instead of assuming it returns at once (a loaded CI machine took >0.2 s)."""
+    monkeypatch.setattr(migrations_module, "RETRY_BACKOFF_S", 1.0)
 
     async def failed_order(m) -> None:
         assert await m.rebalancer.tick() == 1
@@ -211,16 +213,18 @@ def test_a_sequence_whose_move_failed_is_not_planned_again_until_its_backoff_run
             await _c0_in_debt(m)
             await m.heartbeat_compute("c1", ComputeLoad(0, 0, 0))
             await failed_order(m)
+            after = time.monotonic()  # the back-off began before this: it runs out by after + 1 s
             assert (await m.cluster_state()).ledger["a1"] == [("a", 6)]  # nothing moved, nothing reserved
             assert servers.rmanagers["b"].pool.num_free == 10
             assert await m.rebalancer.tick() == 0  # the same move is wanted, but a1 backs off
             assert m.migrations.backing_off("a1") and not m.migrations.backing_off("a2")
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(after + 1.1 - time.monotonic())
+            before = time.monotonic()
             await failed_order(m)  # planned again once the back-off ran out; refused again
-            now = time.monotonic()
-            assert m.migrations.backing_off("a1", now=now + 0.8)  # doubled: 1 s
-            assert not m.migrations.backing_off("a1", now=now + 1.1)
-            await asyncio.sleep(1.1)
+            after = time.monotonic()  # the doubled back-off (2 s) began between before and after
+            assert m.migrations.backing_off("a1", now=before + 1.9)
+            assert not m.migrations.backing_off("a1", now=after + 2.1)
+            await asyncio.sleep(after + 2.1 - time.monotonic())
             assert await m.rebalancer.tick() == 1
             (order,) = m.migrations.take_orders("c0")
             for i, rid in enumerate(order.reservation_ids):  # this time the instance moves them
