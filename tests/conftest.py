@@ -51,13 +51,20 @@ if importlib.util.find_spec("xdist") is not None:
 # two engine test files on 2 workers took 107 s with 2 threads per worker and 54 s with 1 (2026-12-03, 2
 # cores). The processes the tests start (meshes, the CLI) inherit the share through OMP_NUM_THREADS. A
 # caller's OMP_NUM_THREADS wins; a serial run (no xdist) keeps torch's default.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # 1: a serial run
 THREADS_FROM_CALLER = "OMP_NUM_THREADS" in os.environ
-if _WORKERS > 1 and not THREADS_FROM_CALLER:
-    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # macOS
-    _THREADS = max(1, _CORES // _WORKERS)
-    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
-    torch.set_num_threads(_THREADS)
+
+
+def worker_threads() -> int:
+    """Each xdist worker's share of the cores this process may run on (``os.cpu_count`` where the OS has no
+    affinity call: macOS)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // XDIST_WORKERS)
+
+
+if XDIST_WORKERS > 1 and not THREADS_FROM_CALLER:
+    os.environ["OMP_NUM_THREADS"] = str(worker_threads())
+    torch.set_num_threads(worker_threads())
 
 
 # Set where the model cannot be downloaded (the GPU machine): tests that need it skip instead of trying pip.

@@ -10,18 +10,16 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import THREADS_FROM_CALLER
+from tests.conftest import THREADS_FROM_CALLER, XDIST_WORKERS, worker_threads
 
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 pytestmark = [
-    pytest.mark.skipif(WORKERS == 1, reason="a serial run keeps torch's default threads"),
+    pytest.mark.skipif(XDIST_WORKERS == 1, reason="a serial run keeps torch's default threads"),
     pytest.mark.skipif(THREADS_FROM_CALLER, reason="the caller's OMP_NUM_THREADS wins"),
 ]
 
 
 def test_the_workers_threads_fit_the_cores():
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    assert torch.get_num_threads() == max(1, cores // WORKERS) == int(os.environ["OMP_NUM_THREADS"])
+    assert torch.get_num_threads() == worker_threads() == int(os.environ["OMP_NUM_THREADS"])
 
 
 def test_a_started_process_gets_the_workers_share():
