@@ -64,9 +64,11 @@ class Placement(Protocol):
     @property
     def num_free_blocks(self) -> int: ...
 
-    def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef] | None:
+    def place(self, seq_id: str, n: int, first_index: int, near: HolderId | None = None) -> list[BlockRef] | None:
         """``n`` new rBlocks for logical indices ``first_index ..``, in table order; ``None`` (nothing
-        changed) when they cannot be held now."""
+        changed) when they cannot be held now. ``near``: the holder of the sequence's last rBlock, preferred
+        while it has room, so a sequence's KV stays on as few holders as it fits (fewer per-layer round
+        trips); a placement may ignore it."""
         ...
 
     def release(self, seq_id: str, holders: Sequence[HolderId]) -> int:
@@ -222,7 +224,7 @@ class DistAttention:
     def try_allocate(self, seq_id: str, n: int) -> bool:
         """Append ``n`` rBlocks to ``seq_id``'s block table; False (nothing changes) when they do not fit."""
         table = self._tables.get(seq_id, [])
-        refs = self.placement.place(seq_id, n, len(table))
+        refs = self.placement.place(seq_id, n, len(table), table[-1].holder if table else None)
         if refs is None:
             return False
         if len(refs) != n:

@@ -39,8 +39,10 @@ class LocalPlacement:
     def num_free_blocks(self) -> int:
         return sum(h.pool.num_free for h in self.holders.values())
 
-    def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef] | None:
-        """``n`` rBlocks, each on the holder with the most free blocks at that point; ``None`` if too few."""
+    def place(self, seq_id: str, n: int, first_index: int, near: HolderId | None = None) -> list[BlockRef] | None:
+        """``n`` rBlocks, each on the holder with the most free blocks at that point; ``None`` if too few.
+        ``near`` is ignored: the single-process engine spreads every sequence over its partitions on purpose,
+        so that every step exercises the exact merge (DistAttention's correctness reference)."""
         if n > self.num_free_blocks:
             return None
         ids = list(self.holders)

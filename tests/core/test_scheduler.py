@@ -112,10 +112,10 @@ class _Refusing(LocalPlacement):
         super().__init__(holders)
         self.refused, self.from_index = refused, from_index
 
-    def place(self, seq_id, n, first_index):  # noqa: ANN001, ANN201
+    def place(self, seq_id, n, first_index, near=None):  # noqa: ANN001, ANN201
         if seq_id == self.refused and first_index + n > self.from_index:
             raise InvalidRequest(f"no placement for {seq_id!r}", param="seq_id")
-        return super().place(seq_id, n, first_index)
+        return super().place(seq_id, n, first_index, near)
 
 
 def _refusing_sched(refused, from_index=0, num_blocks=16, budget=64):  # noqa: ANN001, ANN202
@@ -163,12 +163,12 @@ class _Outage:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def place(self, seq_id, n, first_index):
+    def place(self, seq_id, n, first_index, near=None):  # noqa: ANN001, ANN201
         from infinite_llm.core.errors import Unavailable
 
         if self.down:
             raise Unavailable("manager unreachable")
-        return self.inner.place(seq_id, n, first_index)
+        return self.inner.place(seq_id, n, first_index, near)
 
 
 def test_an_unreachable_placement_defers_only_the_sequences_that_need_new_blocks():
@@ -252,9 +252,9 @@ class _CountingPlacement(LocalPlacement):
         self.calls: list[int] = []
         self.matches = 0
 
-    def place(self, seq_id, n, first_index):  # noqa: ANN001, ANN201
+    def place(self, seq_id, n, first_index, near=None):  # noqa: ANN001, ANN201
         self.calls.append(n)
-        return super().place(seq_id, n, first_index)
+        return super().place(seq_id, n, first_index, near)
 
     def match_prefix(self, seq_id, hashes):  # noqa: ANN001, ANN201
         self.matches += 1

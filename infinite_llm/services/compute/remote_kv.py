@@ -123,8 +123,10 @@ class ManagerPlacement:
     def num_free_blocks(self) -> int:
         return self._cluster()[1]
 
-    def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef] | None:
+    def place(self, seq_id: str, n: int, first_index: int, near: HolderId | None = None) -> list[BlockRef] | None:
         """``n`` rBlocks for logical indices ``first_index ..``; ``None`` when the cluster is full now.
+        ``near`` (the server of the sequence's last rBlock) goes to the manager, which places there first
+        while it has room and is one of this instance's homes.
 
         Raises ``Unavailable`` when the manager stays unreachable through the retries, and at once for
         ``PLACE_RETRY_S`` after that (the other sequences of the step do not each wait the retries out).
@@ -135,6 +137,7 @@ class ManagerPlacement:
             first_block_index=first_index,
             block_size=self.block_size,
             instance_id=self.instance_id,
+            near_server_id=near or "",
         )
         try:
             refs, _ = self._grants_of(seq_id, "Place", request)

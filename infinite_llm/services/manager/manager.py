@@ -293,7 +293,9 @@ class GlobalManager:
         identity: str | None = None,
     ) -> list[Grant]:
         """Place ``n_blocks`` more rBlocks of ``seq_id``: near server and the owner's homes first, then the
-        servers the planner lets the owner borrow from (:meth:`.Rebalancer.placement_targets`).
+        servers the planner lets the owner borrow from (:meth:`.Rebalancer.placement_targets`). ``near``
+        (compute instances name the server of the sequence's last rBlock, to keep it on few servers) is
+        ignored when the owner has homes and it is not one of them.
 
         Reserves on the servers, records the ledger in one fenced compare-and-swap (re-read and retried on
         conflict), then commits the reservations.
@@ -345,6 +347,8 @@ class GlobalManager:
         elif placed > first_index:
             record = await self._truncate(record, first_index)
         homes, lenders = await self.rebalancer.placement_targets(owner, n_blocks) if owner else ((), None)
+        if near and homes and near not in homes:  # home first: a borrowed server is never preferred
+            near = None
         try:
             held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near, homes, lenders)
         except CapacityExhausted as e:

@@ -49,7 +49,7 @@ class TablePlacement:
         self.servers: dict[str, list[str]] = {}
         self.num_total_blocks = self.num_free_blocks = 1 << 20
 
-    def place(self, seq_id: str, n: int, first_index: int) -> list[BlockRef]:
+    def place(self, seq_id: str, n: int, first_index: int, near: HolderId | None = None) -> list[BlockRef]:
         chosen = self.servers[seq_id][first_index : first_index + n]
         ids = {
             s: iter(self.pairs[s].reserve_commit(seq_id, [first_index + i for i, c in enumerate(chosen) if c == s]))

@@ -26,13 +26,13 @@ class RefusingPlacement(TablePlacement):
     """Round-robin over the servers; refuses rBlocks as the manager refuses a placement about one sequence:
     ``refused-now-*`` at once, ``refused-late-*`` from logical block 2 on (it already holds two)."""
 
-    def place(self, seq_id, n, first_index):  # noqa: ANN001, ANN201
+    def place(self, seq_id, n, first_index, near=None):  # noqa: ANN001, ANN201
         if seq_id.startswith("refused-now"):
             raise InvalidRequest(f"placement of {seq_id!r} refused", param="seq_id")
         if seq_id.startswith("refused-late") and first_index + n > 2:
             raise NotFound(f"no placement for sequence {seq_id!r}")
         self.servers.setdefault(seq_id, ["A", "B"] * 100)
-        refs = super().place(seq_id, n, first_index)
+        refs = super().place(seq_id, n, first_index, near)
         if seq_id.startswith("leftover") and first_index <= 1 < first_index + n and seq_id not in self.left:
             self.left.add(seq_id)  # A keeps an rBlock at index 1 from "an earlier placement"; the table says B
             self.pairs["A"].reserve_commit(seq_id, [1])

@@ -42,7 +42,7 @@ def test_a_step_is_planned_once_per_server_with_counts_only():
     order = {"a": [A, B, A], "b": [C]}
 
     class Fixed(LocalPlacement):
-        def place(self, seq_id, n, first_index):  # noqa: ANN001, ANN202
+        def place(self, seq_id, n, first_index, near=None):  # noqa: ANN001, ANN202
             refs = []
             for i in range(first_index, first_index + n):
                 refs.append(BlockRef(order[seq_id][i], self.holders[order[seq_id][i]].allocate(seq_id, [i])[0]))

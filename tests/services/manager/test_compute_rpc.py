@@ -286,3 +286,27 @@ def test_only_the_instance_an_order_was_handed_to_may_report_its_result(etcd_ser
             assert servers.rmanagers["c"].pool.num_free == 8
 
     asyncio.run(scenario())
+
+
+def test_a_compute_instance_keeps_a_growing_sequence_on_the_server_of_its_last_rblock(etcd_server, etcd_prefix):
+    """DistAttention over ``ManagerPlacement`` through the served manager: each growth names the server of
+    the sequence's last rBlock, so decoding past rBlock boundaries stays on one server while it has room
+    (fewer per-layer round trips) instead of following the most free home; then it spills to the next."""
+    from infinite_llm.core.dist_attention import DistAttention
+    from infinite_llm.services.compute.remote_kv import ManagerPlacement
+
+    async def scenario():
+        servers = make_servers({"a": 4, "b": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m, served(m) as stub:
+            await stub.RegisterCompute(
+                mpb.RegisterComputeRequest(instance_id="c0", address="127.0.0.1:50070", home_server_ids=["a", "b"])
+            )
+            placement = ManagerPlacement(stub.address, block_size=4, timeout_s=10.0, instance_id="c0")
+            kv = DistAttention(placement, transport=None, block_size=4)  # placement only: no step runs
+            assert await asyncio.to_thread(kv.try_allocate, "t", 6)  # b: the most free home
+            assert await asyncio.to_thread(kv.try_allocate, "s", 2)  # a: now the most free (4 vs 2)
+            for _ in range(4):  # a has 2 more, then the rest spills to b
+                assert await asyncio.to_thread(kv.try_allocate, "s", 1)
+            assert [ref.holder for ref in kv.block_table("s")] == ["a", "a", "a", "a", "b", "b"]
+
+    asyncio.run(scenario())

@@ -58,7 +58,9 @@ def test_no_chains_a_borrowers_home_lends_nothing_until_it_stops_borrowing(etcd_
         servers = make_servers({"a": 4, "b": 8, "c": 2})
         async with running_manager(etcd_server, etcd_prefix, servers) as m:
             await _two_instances(m)
-            assert _shares(await m.place("s2", 1, near="c", owner="c1")) == [("c", 1)]  # c1 now borrows
+            assert _shares(await m.place("s3", 8, owner="c1")) == [("b", 8)]  # c1's home b is full,
+            assert _shares(await m.place("s2", 1, owner="c1")) == [("c", 1)]  # so c1 borrows,
+            await m.release("s3")  # and still does once b is free again
             assert _shares(await m.place("s1", 5, owner="c0")) == [("a", 4), ("c", 1)]
             before = pool_state(servers)
             with pytest.raises(CapacityExhausted):  # b has 8 free, but its owner c1 borrows
@@ -234,5 +236,27 @@ def test_a_sequence_whose_move_failed_is_not_planned_again_until_its_backoff_run
                 MigrationResult(order.migration_id, "a1", "a", "b", order.num_blocks, order.num_blocks, 10)
             )
             assert not m.migrations.backing_off("a1", now=time.monotonic())  # a move that moved clears it
+
+    asyncio.run(scenario())
+
+
+def test_near_is_taken_first_among_homes_and_ignored_outside_them(etcd_server, etcd_prefix):
+    """A growing sequence names the server of its last rBlock (``near``): the manager keeps it there while
+    that home has room, though another home is freer, so its KV spans as few servers as it fits; a
+    ``near`` that is not one of the owner's homes never beats home-first."""
+
+    async def scenario():
+        servers = make_servers({"a": 6, "b": 6, "c": 6})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a", "b")))
+            assert _shares(await m.place("s1", 3, owner="c0")) == [("a", 3)]  # a tie: by server id
+            assert _shares(await m.place("s1", 1, owner="c0", first_index=3)) == [("b", 1)]  # most free home
+            assert _shares(await m.place("s1", 2, near="a", owner="c0", first_index=4)) == [("a", 2)]
+            # a holds 1 more: near first, the rest on the other home
+            assert _shares(await m.place("s1", 3, near="a", owner="c0", first_index=6)) == [("a", 1), ("b", 2)]
+            # c is nobody's home and freest, but c0's home b has room: near=c is ignored
+            assert _shares(await m.place("s2", 1, near="c", owner="c0")) == [("b", 1)]
+            # no owner: not bound by homes, near first
+            assert _shares(await m.place("x", 1, near="c")) == [("c", 1)]
 
     asyncio.run(scenario())
