@@ -26,6 +26,28 @@ def test_new_blocks_go_to_the_holder_with_most_free():
     assert d.num_free_blocks == 5
 
 
+def test_growth_names_the_holder_of_the_last_rblock_as_near_and_follows_a_flipped_table():
+    """The placement is told where the sequence's last rBlock lives (``None`` for its first), so a placement
+    that honours it (the manager's) keeps a growing sequence on few holders; after a migration's flip the
+    hint is the new table's."""
+    holders = {partition_id(p): RManager(8, LAYOUT) for p in range(3)}
+    asked = []
+
+    class Recording(LocalPlacement):
+        def place(self, seq_id, n, first_index, near=None):  # noqa: ANN001, ANN201
+            asked.append((seq_id, first_index, near))
+            return super().place(seq_id, n, first_index, near)
+
+    d = DistAttention(Recording(holders), LocalTransport(holders), LAYOUT.block_size)
+    assert d.try_allocate("a", 2) and d.try_allocate("a", 1)
+    last = d.block_table("a")[1].holder
+    assert asked == [("a", 0, None), ("a", 2, last)]
+    moved = [BlockRef(P2, 7)] * 3  # the table a migration flipped to (same length)
+    d.replace_table("a", moved)
+    assert d.try_allocate("a", 1)
+    assert asked[-1] == ("a", 3, P2)
+
+
 def test_holders_record_the_logical_index_of_each_rblock_at_commit():
     d = _dist([3, 3, 5])
     d.try_allocate("a", 4)
