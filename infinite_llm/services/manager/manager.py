@@ -347,8 +347,6 @@ class GlobalManager:
         elif placed > first_index:
             record = await self._truncate(record, first_index)
         homes, lenders = await self.rebalancer.placement_targets(owner, n_blocks) if owner else ((), None)
-        if near and homes and near not in homes:  # home first: a borrowed server is never preferred
-            near = None
         try:
             held = await reserve_placement(self._servers, self.view, seq_id, n_blocks, near, homes, lenders)
         except CapacityExhausted as e:

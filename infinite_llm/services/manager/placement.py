@@ -1,12 +1,13 @@
 """Where a sequence's new rBlocks go, and reserving them on the chosen servers.
 
-Policy (PAPER.md "Managers", "Cluster scheduling"): the owning compute instance's home servers first (its
-KV stays local; ``near`` counts as a home), most free first; when home is full, the servers the planner lets
-it borrow from (``lenders``, best first: :func:`~.planner.lenders`, never a server whose owner is itself
-borrowing), or every server by most free rBlocks when no lender list is given. The capacity view may be stale, so
-every share is reserved on its server before it counts (reserve-then-transfer, DESIGN.md §5); a server that
-refuses is marked stale and the rest goes elsewhere. If the whole request cannot be met, every reservation
-made is cancelled and :class:`CapacityExhausted` is raised: nothing is leaked.
+Policy (PAPER.md "Managers", "Cluster scheduling"): the owning compute instance's home servers first (its KV
+stays local; ``near``, the server of the sequence's last rBlock, first among them), most free first; when home
+is full, the servers the planner lets it borrow from (``lenders``, best first: :func:`~.planner.lenders`,
+never a server whose owner is itself borrowing), or every server by most free rBlocks when no lender list is
+given. The capacity view may be stale, so every share is reserved on its server before it counts
+(reserve-then-transfer, DESIGN.md §5); a server that refuses is marked stale and the rest goes elsewhere. If
+the whole request cannot be met, every reservation made is cancelled and :class:`CapacityExhausted` is raised:
+nothing is leaked.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def choose_servers(
     lenders: tuple[str, ...] | None = None,
 ) -> list[tuple[str, int]]:
     """Split ``n_blocks`` rBlocks over servers: ``near`` first, then the other ``homes`` by most free, then
-    ``lenders`` in their order (``None``: every other server, most free first; ties by server id).
+    ``lenders`` in their order (``None``: every other server, most free first; ties by server id). A ``near``
+    that is not one of ``homes`` (when there are any) is ignored: home first, a borrowed server is never
+    preferred.
 
     Args:
         n_blocks: rBlocks to place.
@@ -103,6 +106,8 @@ def choose_servers(
         ``[(server_id, n)]`` with every ``n > 0``; the counts sum to less than ``n_blocks`` when the
         estimate does not hold enough.
     """
+    if homes and near not in homes:
+        near = None
     home = set(homes) | ({near} if near else set())
     rank = {s: i for i, s in enumerate(lenders or ())}
     candidates = [

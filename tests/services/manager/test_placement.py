@@ -18,6 +18,9 @@ def test_policy_takes_near_server_first_then_most_free():
     assert choose_servers(10, free, near=None) == [("a", 8), ("c", 2)]
     assert choose_servers(30, free, near="d") == [("a", 8), ("c", 6), ("b", 4)]
     assert choose_servers(3, {"x": 5, "w": 5}, near=None, exclude=frozenset({"x"})) == [("w", 3)]
+    # with homes, near is first among them; a near outside them is ignored (home first)
+    assert choose_servers(10, free, near="b", homes=("a", "b")) == [("b", 4), ("a", 6)]
+    assert choose_servers(10, free, near="c", homes=("a", "b")) == [("a", 8), ("b", 2)]
 
 
 def test_place_prefers_near_server_then_most_free(etcd_server, etcd_prefix):
