@@ -144,10 +144,16 @@ class StepAttention:
     """The attention callable of one step (``AttentionFn``): fan out per layer, merge. Close it after the
     step (``with``), so the holders drop their plans."""
 
-    def __init__(self, owner: DistAttention, step_id: int, rows: dict[HolderId, _HolderRows]) -> None:
+    def __init__(
+        self, owner: DistAttention, step_id: int, rows: dict[HolderId, _HolderRows], disjoint: bool = False
+    ) -> None:
         self._owner = owner
         self.step_id = step_id
         self.rows = rows
+        # Every query row is served by exactly one holder (each sequence's context lies on one server, as
+        # the mesh's placement keeps it): the merge is then a scatter of the partial outputs, bit for bit
+        # what the exact merge gives (weights exp(lse - lse) = 1 and 0).
+        self.disjoint = disjoint
         self._closed = False
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -343,12 +349,14 @@ class DistAttention:
                 new_rows[table[pos // self.block_size].holder].append(row)
             start += s.num_new
         rows = {}
+        num_query_rows = 0
         for h, planned in plans.items():
             query_rows = [r for p in planned for r in range(first_row[p.seq_id], first_row[p.seq_id] + p.num_new)]
             rows[h] = _HolderRows(self._index(query_rows, start), self._index(new_rows[h], start))
+            num_query_rows += len(query_rows)
         step_id = next(self._step_ids)
         self.transport.open_step(step_id, plans, num_heads, {h: len(new_rows[h]) for h in plans})
-        return StepAttention(self, step_id, rows)
+        return StepAttention(self, step_id, rows, disjoint=num_query_rows == start)
 
     def holder_plans(self, seqs: list[SeqStep]) -> dict[HolderId, list[SeqStep]]:
         """The sequences of a step each holder serves (those with an rBlock below the step's context), in
@@ -395,6 +403,16 @@ class DistAttention:
                 out = partials[holder][0].to(device=q.device, dtype=q.dtype)
                 self._count(started)
                 return out
+        if step.disjoint:  # each row has one partial: place it (no lse needed)
+            out = torch.empty_like(q)
+            for holder, rows in step.rows.items():
+                partial_out = partials[holder][0].to(device=q.device, dtype=q.dtype)
+                if rows.query_rows is None:
+                    out.copy_(partial_out)
+                else:
+                    out.index_copy_(0, rows.query_rows, partial_out)
+            self._count(started)
+            return out
         buffer = PartialsBuffer(len(step.rows), q, self._merge)
         for j, (holder, rows) in enumerate(step.rows.items()):
             buffer.put(j, rows.query_rows, *partials[holder])

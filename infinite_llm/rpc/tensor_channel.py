@@ -4,10 +4,10 @@ server) pair, over which the tensors of AttendStream steps travel while gRPC kee
 Both sides build their rank here: the compute instance (rank 0) hosts the rendezvous ``TCPStore``; the
 attention server (rank 1) joins it when asked by ``OpenTensorChannel``. No global ``init_process_group``:
 each pair is its own group (gloo on CPU, NCCL between GPUs), so pairs come and go independently. Bytes
-travel as flat ``uint8`` buffers (one per layer and direction) described by data-less ``Tensor`` messages
-on the stream; tags are unique per (step, layer, direction), so a message of a failed step can never be
-matched by a later one. Source: PyTorch ``distributed_c10d._new_process_group_helper`` (how a group is
-built from a store without the default group).
+travel as flat ``uint8`` buffers (one per layer and direction) whose layout both sides derive from the
+shape the step's ``StepOpen`` declares (:class:`StepSizes`); tags are unique per (step, layer, direction),
+so a message of a failed step can never be matched by a later one. Source: PyTorch
+``distributed_c10d._new_process_group_helper`` (how a group is built from a store without the default group).
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import math
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-
-from infinite_llm.rpc import codec
 
 BACKENDS = ("gloo", "nccl")
 TO_SERVER, TO_COMPUTE = 0, 1  # tag directions
@@ -86,15 +85,28 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(parts).to(device)
 
 
-def unpack(buffer: torch.Tensor, metas: Sequence, fields: Sequence[str]) -> list[torch.Tensor]:  # noqa: ANN001
-    """Views of ``buffer`` (``uint8``, as :func:`pack` made it) as the tensors ``metas`` describe."""
-    out, start = [], 0
-    for meta, field in zip(metas, fields, strict=True):
-        dtype = codec.dtype_from_name(meta.dtype, field=field)
-        size = math.prod(meta.shape) * dtype.itemsize
-        out.append(buffer[start : start + size].view(dtype).view(tuple(meta.shape)))
-        start += size
-    return out
+class Field(NamedTuple):
+    """Where one tensor lies in a flat ``uint8`` buffer: bytes ``[start, end)``, its dtype and shape."""
+
+    start: int
+    end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def fields(shapes: Sequence[tuple[torch.dtype, tuple[int, ...]]], offset: int = 0) -> tuple[Field, ...]:
+    """The :class:`Field` of each ``(dtype, shape)``, laid out back to back from byte ``offset``."""
+    out, start = [], offset
+    for dtype, shape in shapes:
+        end = start + math.prod(shape) * dtype.itemsize
+        out.append(Field(start, end, dtype, tuple(shape)))
+        start = end
+    return tuple(out)
+
+
+def unpack(buffer: torch.Tensor, layout: Sequence[Field]) -> list[torch.Tensor]:
+    """Views of ``buffer`` (``uint8``, as :func:`pack` made it) as the tensors ``layout`` places in it."""
+    return [buffer[f.start : f.end].view(f.dtype).view(f.shape) for f in layout]
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,8 @@ class StepSizes:
 
     ``layer_nbytes``: q|k|v, ``query [num_tokens, num_heads, head_dim]`` then ``key, value [num_kv_rows,
     num_kv_heads, head_dim]`` in ``dtype``. ``reply_nbytes``: the int64 status, then ``lse [num_tokens,
-    num_heads]`` fp32, then ``partial_out [num_tokens, num_heads, head_dim]`` in ``dtype``.
+    num_heads]`` fp32, then ``partial_out [num_tokens, num_heads, head_dim]`` in ``dtype``. The layouts are
+    computed once per shape (a decode step repeats one shape every layer).
     """
 
     num_tokens: int
@@ -114,16 +127,16 @@ class StepSizes:
     dtype: torch.dtype
 
     @functools.cached_property
-    def metas(self) -> list:
-        """Data-less ``Tensor`` messages of query, key, value (for :func:`unpack`)."""
+    def layer_fields(self) -> tuple[Field, ...]:
+        """query, key, value in a layer's q|k|v buffer."""
         n, h, kv, hkv, d = self.num_tokens, self.num_heads, self.num_kv_rows, self.num_kv_heads, self.head_dim
-        return [codec.tensor_meta(self.dtype, s) for s in ((n, h, d), (kv, hkv, d), (kv, hkv, d))]
+        return fields([(self.dtype, (n, h, d)), (self.dtype, (kv, hkv, d)), (self.dtype, (kv, hkv, d))])
 
     @functools.cached_property
-    def reply_metas(self) -> list:
-        """Data-less ``Tensor`` messages of lse, partial_out (the reply after its status)."""
+    def reply_fields(self) -> tuple[Field, ...]:
+        """lse, partial_out in a reply buffer (after its status)."""
         n, h, d = self.num_tokens, self.num_heads, self.head_dim
-        return [codec.tensor_meta(torch.float32, (n, h)), codec.tensor_meta(self.dtype, (n, h, d))]
+        return fields([(torch.float32, (n, h)), (self.dtype, (n, h, d))], offset=STATUS_BYTES)
 
     @property
     def layer_nbytes(self) -> int:
@@ -147,15 +160,36 @@ def step_sizes(
     return StepSizes(num_tokens, num_heads, num_kv_rows, num_kv_heads, head_dim, dtype)
 
 
-def reply(status: int, tensors: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
-    """A layer's reply buffer (``uint8 [nbytes]``): ``status`` then ``tensors`` (lse, partial_out), or zeros
-    after a failed status (the peer posted a receive of exactly ``nbytes``)."""
-    head = torch.tensor([status], dtype=torch.int64)
-    if status != LAYER_OK:
-        out = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        out[:STATUS_BYTES] = head.view(torch.uint8).to(device)
-        return out
-    return pack([head.to(device), *tensors], device)
+def failed_reply(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The reply buffer of a failed layer (``uint8 [nbytes]``): the ``LAYER_FAILED`` status, then zeros (the
+    peer posted a receive of exactly ``nbytes``)."""
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    out[:STATUS_BYTES] = torch.tensor([LAYER_FAILED], dtype=torch.int64).view(torch.uint8).to(device)
+    return out
+
+
+class ReplyBuffer:
+    """One step's reply buffer, reused by each of its layers: the ``LAYER_OK`` status is written once,
+    each layer copies its ``lse`` and ``partial_out`` into place (:meth:`fill`). Reuse is safe because a
+    channel waits for a layer's send before it receives the next layer (``TensorChannel._settle``)."""
+
+    def __init__(self, sizes: StepSizes, device: torch.device) -> None:
+        self.buffer = torch.empty(sizes.reply_nbytes, dtype=torch.uint8, device=device)  # (reply_nbytes,)
+        self.buffer[:STATUS_BYTES] = torch.tensor([LAYER_OK], dtype=torch.int64).view(torch.uint8).to(device)
+        self._lse, self._out = unpack(self.buffer, sizes.reply_fields)
+
+    def fill(self, lse: torch.Tensor, partial_out: torch.Tensor) -> torch.Tensor:
+        """The buffer holding ``lse [num_tokens, num_heads]`` (fp32) and ``partial_out [num_tokens,
+        num_heads, head_dim]``; raises ``ValueError`` when their shapes are not the step's (``copy_`` would
+        broadcast)."""
+        if lse.shape != self._lse.shape or partial_out.shape != self._out.shape:
+            raise ValueError(
+                f"a reply of lse {list(lse.shape)}, partial_out {list(partial_out.shape)} does not fit the step's "
+                f"{list(self._lse.shape)}, {list(self._out.shape)}"
+            )
+        self._lse.copy_(lse)
+        self._out.copy_(partial_out)
+        return self.buffer
 
 
 def reply_status(buffer: torch.Tensor) -> int:

@@ -132,3 +132,41 @@ def test_fan_out_and_merge_equals_a_single_holder(holders):
     assert len(ref) == len(got)
     for r, o in zip(ref, got, strict=True):
         torch.testing.assert_close(o, r, atol=1e-5, rtol=0)
+
+
+class _PinnedPlacement(LocalPlacement):
+    """Every rBlock of a sequence on the holder ``pins`` names for it (the mesh keeps a sequence on one
+    server while it fits)."""
+
+    def __init__(self, holders, pins):
+        super().__init__(holders)
+        self.pins = pins
+
+    def place(self, seq_id, n, first_index, near=None):
+        holder = self.pins[seq_id]
+        ids = self.holders[holder].allocate(seq_id, list(range(first_index, first_index + n)))
+        return [BlockRef(holder, i) for i in ids]
+
+
+def test_a_step_whose_sequences_each_sit_on_one_holder_scatters_the_partials_and_equals_a_single_holder():
+    """The merge's fast path: every query row has one holder, so its partial is the output (no weights)."""
+    holders = {p: RManager(40, LAYOUT) for p in (P0, P1, P2)}
+    pins = {"a": P0, "b": P1, "c": P2, "d": P1, "e": P0}
+    pinned = DistAttention(_PinnedPlacement(holders, pins), LocalTransport(holders), LAYOUT.block_size)
+    seq_lens = {"a": 1, "b": 4, "c": 5, "d": 17, "e": 31}
+    seen = []
+    prepare = pinned.prepare
+    pinned.prepare = lambda seqs, num_heads: seen.append(prepare(seqs, num_heads)) or seen[-1]
+    got = _run_steps(pinned, seq_lens, chunk=3)
+    assert all(step.disjoint for step in seen) and max(len(step.rows) for step in seen) == 3
+    ref = _run_steps(_dist([120]), seq_lens, chunk=3)
+    assert len(ref) == len(got)
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=0)
+
+
+def test_a_step_with_one_sequence_spread_over_holders_is_merged_not_scattered():
+    d = _dist([2, 2])  # most-free placement alternates: "a"'s 3 rBlocks span both holders
+    assert d.try_allocate("a", 3) and d.try_allocate("b", 1)
+    with d.prepare([SeqStep("a", 8, 1), SeqStep("b", 0, 1)], num_heads=4) as step:
+        assert not step.disjoint

@@ -46,16 +46,17 @@ class TensorChannel:
         reply. A layer that raises gets a failed status and ends the step: returns its error (``None``: every
         layer served). Raises ``Unavailable`` when the channel breaks (its bytes may be out of step).
         """
-        metas, fields = sizes.metas, ("query", "key", "value")
+        reply = tc.ReplyBuffer(sizes, self.device)  # one per step: each layer's send is waited on before the next
         for layer in range(num_layers):
             buffer = self.recv(sizes.layer_nbytes, tc.layer_tag(step_id, layer, tc.TO_SERVER))
             tag = tc.layer_tag(step_id, layer, tc.TO_COMPUTE)
             try:
-                lse, out = attend(layer, *tc.unpack(buffer, metas, fields))
+                lse, out = attend(layer, *tc.unpack(buffer, sizes.layer_fields))
+                filled = reply.fill(lse, out)
             except Exception as e:  # noqa: BLE001 (the peer waits for this layer's reply whatever went wrong)
-                self.send(tc.reply(tc.LAYER_FAILED, (), sizes.reply_nbytes, self.device), tag)
+                self.send(tc.failed_reply(sizes.reply_nbytes, self.device), tag)
                 return e
-            self.send(tc.reply(tc.LAYER_OK, (lse, out), sizes.reply_nbytes, self.device), tag)
+            self.send(filled, tag)
         return None
 
     def recv(self, num_bytes: int, tag: int) -> torch.Tensor:

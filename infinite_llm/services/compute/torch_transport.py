@@ -76,7 +76,7 @@ class PostedLayer:
             self.sent.wait()  # type: ignore[attr-defined]  (done: the server consumed it before answering)
         except RuntimeError as e:
             raise Unavailable(f"tensor channel to attention server {self.server} failed: {e}") from None
-        lse, out = tc.unpack(self.buffer[tc.STATUS_BYTES :], self.sizes.reply_metas, ("lse", "partial_out"))
+        lse, out = tc.unpack(self.buffer, self.sizes.reply_fields)
         return out, lse
 
 
