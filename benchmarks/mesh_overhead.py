@@ -10,7 +10,9 @@ instance's and the three attention servers' (user + system seconds from ``/proc`
 machine's cores every process together kept busy. On a machine with few cores this shows what sets the
 mesh's step: the servers' CPU per layer and the wake-ups between processes, not the bytes on the wire.
 The single-process engine uses 3 DistAttention partitions, so the only difference is the
-hop to the attention servers. The last line reads ``mesh/local batch 16: grpc X.XXx torch Y.YYx``.
+hop to the attention servers. Each side is measured ``--repeats`` times (default 2) and its fastest kept: a
+shared machine's noise only slows a run down, and both sides get the same number of draws. The last line
+reads ``mesh/local batch 16: grpc X.XXx torch Y.YYx``.
 Run: ``.venv/bin/python benchmarks/mesh_overhead.py``.
 """
 
@@ -126,9 +128,15 @@ def compute_stats(address: str, tls) -> cpb.ComputeStatsResponse:  # noqa: ANN00
 
 
 def measure_mesh(  # noqa: ANN001
-    transport: str, batches: list[int], tokenizer, new_tokens: int, service_nice: int = SERVICE_NICE
+    transport: str,
+    batches: list[int],
+    tokenizer,
+    new_tokens: int,
+    service_nice: int = SERVICE_NICE,
+    repeats: int = 2,
 ) -> dict[int, DecodeStep]:
-    """``{batch: DecodeStep}`` through a fresh mesh using ``transport``."""
+    """``{batch: DecodeStep}`` through a fresh mesh using ``transport``: the fastest of ``repeats``
+    measurements (as the local engine's: the noise of a shared machine only ever slows a run down)."""
     config = MeshConfig(
         attention_servers=3,
         compute_instances=1,
@@ -156,7 +164,8 @@ def measure_mesh(  # noqa: ANN001
 
         for batch in batches:
             ids = prompts(tokenizer, batch)
-            out[batch] = decode_step(lambda i, n: mesh_seconds(client, i, n), ids, new_tokens, read)
+            runs = [decode_step(lambda i, n: mesh_seconds(client, i, n), ids, new_tokens, read) for _ in range(repeats)]
+            out[batch] = min(runs, key=lambda r: r.ms)
         fell_back = "tensors travel over gRPC" in (mesh.log_dir / "compute-0.log").read_text(encoding="utf-8")
     if fell_back:
         print(f"warning: the {transport} mesh fell back to gRPC for some attention server (see its compute log)")
@@ -170,7 +179,15 @@ def main() -> None:
     ap.add_argument(
         "--service-nice", type=int, default=SERVICE_NICE, help="niceness of the mesh's services but compute (0: off)"
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="measurements per batch and mesh, the fastest kept (the local engine's: before and after the meshes)",
+    )
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error("--repeats must be >= 1")
     cfg, state_dict, tokenizer = load_model_files(resolve_model(None), torch.float32)
     engine = LLMEngine.from_weights(
         cfg, state_dict, tokenizer, EngineConfig(num_partitions=3, enable_prefix_caching=False)
@@ -184,12 +201,17 @@ def main() -> None:
     def local_step(b: int) -> DecodeStep:
         return decode_step(lambda i, n: local_run(engine, i, n), prompts(tokenizer, b), a.new_tokens, read)
 
-    first = {b: local_step(b) for b in a.batches}
-    mesh = {t: measure_mesh(t, a.batches, tokenizer, a.new_tokens, a.service_nice) for t in ("grpc", "torch")}
-    # The best of before and after the meshes: other load drifts.
-    local = {b: min(first[b], local_step(b), key=lambda r: r.ms) for b in a.batches}
+    # As many measurements of each side, the fastest kept: half of local's before the meshes and half after
+    # (other load drifts), each mesh's in a row in the same mesh.
+    before = {b: [local_step(b) for _ in range((a.repeats + 1) // 2)] for b in a.batches}
+    mesh = {
+        t: measure_mesh(t, a.batches, tokenizer, a.new_tokens, a.service_nice, a.repeats) for t in ("grpc", "torch")
+    }
+    after = {b: [local_step(b) for _ in range(a.repeats // 2)] for b in a.batches}
+    local = {b: min(before[b] + after[b], key=lambda r: r.ms) for b in a.batches}
     print(
-        f"model {resolve_model(None).name}, fp32, {cfg.num_hidden_layers} layers, {a.new_tokens} new tokens; "
+        f"model {resolve_model(None).name}, fp32, {cfg.num_hidden_layers} layers, {a.new_tokens} new tokens, "
+        f"the fastest of {a.repeats} measurements each; "
         f"mesh: 1 compute + 3 attention servers on loopback, the others at nice {a.service_nice}; "
         "local: 3 partitions in one process"
     )
