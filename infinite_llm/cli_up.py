@@ -68,6 +68,7 @@ def up(
         prefix_caching=prefix_caching,
     )
     _refuse_busy_ports(config)  # before anything starts (a busy port would fail only at the gateway, ~20 s in)
+    _refuse_a_bad_api_key()  # likewise: the router and the gateway would refuse it only once the rest is up
     if insecure:
         load_cli_tls("client", None, insecure=True)  # says loudly that the mesh is plaintext
     mesh = LocalMesh(config)
@@ -123,6 +124,18 @@ def _refuse_busy_ports(config) -> None:  # noqa: ANN001
                 f"stop it or choose another port with {flag}",
                 param_hint=flag,
             )
+
+
+def _refuse_a_bad_api_key() -> None:
+    """Exit 2 when ``INFINITE_LLM_API_KEY`` is set to a key the router and the gateway would refuse."""
+    from infinite_llm.rpc.interceptors.api_key import check_api_key
+
+    key = os.environ.get(API_KEY_ENV)
+    if key:
+        try:
+            check_api_key(key, API_KEY_ENV)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None  # the message names the variable
 
 
 def _say_where_logs_are(mesh) -> None:  # noqa: ANN001

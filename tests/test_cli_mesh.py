@@ -129,6 +129,21 @@ def test_up_refuses_one_port_given_to_two_flags(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+def test_up_with_a_bad_api_key_exits_2_before_starting_anything(tmp_path):
+    """The router and the gateway refuse such a key at start: `up` refuses it before anything starts, and
+    never prints the key."""
+    from infinite_llm.state.etcd_launcher import free_port
+
+    ports = [a for f in ("--port", "--manager-port", "--gateway-port") for a in (f, str(free_port()))]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "COLUMNS": "250", "INFINITE_LLM_API_KEY": "bad key!"}
+    proc = subprocess.run([*CLI, "up", "--insecure", *ports], capture_output=True, text=True, timeout=120, env=env)
+    flat = " ".join(proc.stderr.replace("│", " ").split())
+    assert proc.returncode == 2, proc.stderr
+    assert "Invalid value: INFINITE_LLM_API_KEY: an API key must be one RFC 6750 bearer token" in flat
+    assert "bad key!" not in proc.stderr and "starting the mesh" not in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
 @pytest.mark.parametrize(
     "role,args,env_key",
     [

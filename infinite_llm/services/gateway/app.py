@@ -12,9 +12,9 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, TypeVar
+from typing import TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -27,6 +27,7 @@ from infinite_llm.services.gateway.errors import (
     AuthenticationFailed,
     MissingApiKey,
     error_body,
+    error_response,
     install_error_handlers,
 )
 from infinite_llm.services.gateway.params import MAX_CHOICES_PER_REQUEST
@@ -63,7 +64,10 @@ async def _disconnected(request: Request) -> None:
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it (and so its requests in the mesh) if the client disconnects first."""
+    """Await ``work``, cancelling it (and so its requests in the mesh) if the client disconnects first.
+
+    A cancelled ``work`` has unwound before this returns: when it is a stream's ``anext()``, the stream's
+    ``aclose()`` may follow at once (an async generator still unwinding refuses it with ``RuntimeError``)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -72,24 +76,40 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved: what the work raised after the client left answers nobody
     if task in done:
         return task.result()
     raise Cancelled("the client disconnected")
 
 
-def api_key_check(api_key: str | None) -> Callable[..., Awaitable[None]]:
-    """A dependency: with ``api_key`` set, ``Authorization: Bearer <api_key>`` is required (else 401)."""
+def require_api_key(api_key: str | None, authorization: str | None) -> None:
+    """With ``api_key`` set, ``authorization`` must be ``Bearer <api_key>``: raises ``MissingApiKey`` (no
+    header) or ``AuthenticationFailed`` (401 both)."""
+    if api_key is None:
+        return
+    if not authorization:
+        raise MissingApiKey("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        raise AuthenticationFailed("Incorrect API key provided.")
 
-    async def check(authorization: Annotated[str | None, Header()] = None) -> None:
-        if api_key is None:
-            return
-        if not authorization:
-            raise MissingApiKey("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise AuthenticationFailed("Incorrect API key provided.")
 
-    return check
+def install_api_key_check(app: FastAPI, api_key: str | None) -> None:
+    """Every ``/v1`` request is checked before anything else, its body included: a caller without the key
+    learns 401, never whether its JSON parsed (as OpenAI)."""
+    if api_key is None:
+        return
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):  # noqa: ANN001, ANN202
+        if request.url.path == "/v1" or request.url.path.startswith("/v1/"):
+            try:
+                require_api_key(api_key, request.headers.get("authorization"))
+            except AuthenticationFailed as e:
+                return error_response(e.http_status, error_body(e))
+        return await call_next(request)
 
 
 async def generate(
@@ -169,9 +189,10 @@ def create_app(
 
     app = FastAPI(title="Infinite-LLM OpenAI-compatible gateway", lifespan=lifespan)
     install_error_handlers(app)
-    install_metrics(app)
+    install_api_key_check(app, api_key)
+    install_metrics(app)  # outside the key check: its 401s are counted too
     started = int(time.time())
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_key))])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):  # noqa: ANN202

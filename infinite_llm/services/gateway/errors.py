@@ -59,7 +59,8 @@ async def _typed(request: Request, e: InfiniteLLMError) -> JSONResponse:
 
 
 async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-    """FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the first bad parameter."""
+    """FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the first bad parameter, what it
+    expected and what it got (:func:`validation_message`)."""
     errors = e.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
     if first.get("type") == "json_invalid":  # loc is ("body", character offset): no parameter is at fault
@@ -67,14 +68,81 @@ async def _validation(request: Request, e: RequestValidationError) -> JSONRespon
         detail = (first.get("ctx") or {}).get("error", first["msg"])
         message = f"the request body is not valid JSON: {detail} (at character {where})"
         return error_response(400, ErrorResponse(error=ErrorBody(message=message, type="invalid_request_error")))
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {first['msg']}" if param else str(first["msg"])
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    param, message = validation_message(errors, request.headers.get("content-type", ""))
     return error_response(
         400, ErrorResponse(error=ErrorBody(message=message, type="invalid_request_error", param=param))
     )
+
+
+_JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array"}
+_ALTERNATIVES = {  # pydantic's tags of a union's members, as OpenAI's docs name them
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean",
+    "list[int]": "an array of token ids",
+    "list[str]": "an array of strings",
+    "list[list[int]]": "an array of arrays of token ids",
+    "list[ContentPart]": "an array of content parts",
+    "dict[str,any]": "an object",
+}
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "an object"
+    return next((name for t, name in _JSON_TYPES.items() if isinstance(value, t)), type(value).__name__)
+
+
+def _is_tag(part: object) -> bool:
+    """A union member's tag in a pydantic error location (``str``, ``list[int]``), not a field or an index."""
+    return isinstance(part, str) and ("[" in part or part in _ALTERNATIVES)
+
+
+def validation_message(errors: list[dict], content_type: str = "") -> tuple[str | None, str]:
+    """``(param, message)`` for the first of pydantic's ``errors`` of a request body (locations start with
+    ``"body"``). A value no member of a union accepts is one problem, named by its field (``prompt``, not
+    pydantic's ``prompt.str``), with the types it may take; a wrong type or value says what came instead."""
+    if not errors:
+        return None, "invalid request body"
+    first = errors[0]
+
+    def path(err: dict) -> list:
+        out = []
+        for part in err.get("loc", ()):
+            if _is_tag(part):
+                break
+            out.append(part)
+        return out[1:] if out[:1] == ["body"] else out
+
+    where = path(first)
+    param = ".".join(map(str, where)) or None
+    if param is None:  # the body itself: missing, or not a JSON object
+        if first.get("type") == "missing":
+            return None, "the request body is missing: send a JSON object (Content-Type: application/json)"
+        told = "" if "json" in content_type else f" (Content-Type {content_type or 'not given'}; send application/json)"
+        return None, f"the request body must be a JSON object, got {_json_type(first.get('input'))}{told}"
+    same = [err for err in errors if path(err) == where]
+    tags = list(dict.fromkeys(p for err in same for p in err.get("loc", ()) if _is_tag(p)))
+    if len(tags) > 1:  # no member of the union took it
+        names = [_ALTERNATIVES.get(t, t) for t in tags]
+        message = f"{param}: expected {', '.join(names[:-1])} or {names[-1]}"
+        whole = [err for err in same if len(err.get("loc", ())) == len(where) + 2 and "input" in err]  # not an item
+        if whole:
+            message += f", got {_json_type(whole[0]['input'])}"
+    else:
+        message = f"{param}: {first['msg']}"
+        kind = str(first.get("type", ""))
+        if kind.endswith("_type") or kind.endswith("_parsing"):
+            message += f", got {_json_type(first.get('input'))}"
+        elif kind not in ("missing", "value_error") and "input" in first:
+            message += f", got {first['input']!r}"[:200]
+    left = len(errors) - len(same)
+    if left > 0:
+        message += f" (and {left} more problem{'s' if left > 1 else ''})"
+    return param, message
 
 
 async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -2,14 +2,16 @@
 
 Shapes follow OpenAI's public API reference (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``)
 and vLLM's OpenAI server for the few extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``). Unknown
-fields are ignored, as OpenAI does; fields we cannot honour are rejected by ``handlers`` with a 400.
+fields are ignored, as OpenAI does; fields we cannot honour are rejected by ``handlers`` with a 400. Types
+are strict, as OpenAI's: ``"max_tokens": "8"`` or ``true`` is a 400, not 8 or 1 tokens (an integer is
+still a number), and a number must be finite.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from infinite_llm.core.logprobs import MAX_LOGPROBS
 
@@ -18,7 +20,7 @@ _INT64 = 2**63 - 1 - MAX_N  # seed + choice index must stay an int64 (the proto 
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -30,7 +32,7 @@ class SamplingFields(_Body):
     """Fields shared by completions and chat completions. Other fields are kept (``model_extra``) so that
     the vLLM extensions this server does not implement are refused by name rather than ignored."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None  # None: the one model the mesh serves
     max_tokens: int | None = Field(None, ge=1)
@@ -75,6 +77,13 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant: {"id", "type", "function": {"name", "arguments"}}
     tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        """Only an assistant's message may go without content (it then carries tool calls), as OpenAI."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or an array of content parts)")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
