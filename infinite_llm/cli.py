@@ -39,12 +39,17 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         raise typer.BadParameter("give exactly one of --prompt or --prompt-file")
     if prompt_file is None:
         return prompt or ""
-    if prompt_file == "-":
-        return sys.stdin.read()
-    path = Path(prompt_file)
-    if not path.is_file():
-        raise typer.BadParameter(f"prompt file {prompt_file!r} does not exist", param_hint="--prompt-file")
-    return path.read_text(encoding="utf-8")
+    try:
+        if prompt_file == "-":
+            return sys.stdin.read()
+        path = Path(prompt_file)
+        if not path.is_file():
+            raise typer.BadParameter(f"prompt file {prompt_file!r} does not exist", param_hint="--prompt-file")
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        where = "stdin" if prompt_file == "-" else repr(prompt_file)
+        message = f"{where} is not UTF-8 text ({e.reason} at byte {e.start})"
+        raise typer.BadParameter(message, param_hint="--prompt-file") from None
 
 
 # Flags that configure only the single-process engine: with --router the mesh's services have their own.
@@ -122,9 +127,9 @@ def generate(
         _refuse_engine_flags(ctx)
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()))
         SamplingParams(max_tokens=max_tokens, **sampling)  # same validation and messages as locally
-        resolved = _resolve_model(model) if model is not None or chat else None  # NotFound before dialling
+        resolved = _served_model(model, chat)  # NotFound before dialling, when the chat template needs it
         tls = load_cli_tls("client", tls_dir, insecure)
-        served = resolved.name if model is not None else None
+        served = (resolved.name if resolved is not None else model) if model is not None else None
         _generate_via_router(router, text, chat, resolved, served, max_tokens, sampling, tls, api_key)
         return
     from infinite_llm.cli_options import device_option, torch_dtype
@@ -168,6 +173,20 @@ def _resolve_model(model: str | None) -> ResolvedModel:
     from infinite_llm.models.registry import resolve_model
 
     return resolve_model(model)
+
+
+def _served_model(model: str | None, chat: bool) -> ResolvedModel | None:
+    """With --router: ``model`` resolved here (a path or a known name: the router must serve that name), or
+    None. A bare name not known here (``gpt-4``) is the router's to judge (it answers "not served" by name);
+    a missing path, or any model --chat needs the tokenizer of, raises ``NotFound`` here, before dialling."""
+    if model is None and not chat:
+        return None
+    try:
+        return _resolve_model(model)
+    except NotFound:
+        if chat or model is None or "/" in model or model.endswith(".gguf") or model.startswith("."):
+            raise
+        return None
 
 
 def _generate_via_router(

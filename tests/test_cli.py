@@ -55,6 +55,7 @@ def test_chat_prompt_from_stdin_uses_the_chat_template(engine, tmp_path: Path):
         (["--prompt", ""], "prompt is empty"),
         (["--prompt", "hi", "--max-tokens", "9000"], "exceeds the model's maximum length"),
         (["--prompt-file", "/nonexistent/file.txt"], "does not exist"),
+        (["--prompt-file", sys.executable], "is not UTF-8 text ("),
         (["--prompt", "hi", "--model", "/nonexistent/model"], "does not exist"),
         (["--prompt", "hi", "--block-size", "0"], "block_size must be >= 1, got 0"),
         (["--prompt", "hi", "--num-partitions", "0"], "num_partitions must be >= 1, got 0"),
@@ -147,6 +148,14 @@ def test_a_missing_model_with_router_exits_2_before_dialling():
     assert "failed to connect" not in proc.stderr
 
 
+def test_a_model_name_unknown_here_is_the_routers_to_judge(tmp_path):
+    """A bare name no local model has (``gpt-4``) goes to the router, which answers for what it serves:
+    here, no router listens (exit 1, a service failure), not "the path does not exist" (exit 2)."""
+    proc = run_cli("generate", "--prompt", "hi", "--router", "127.0.0.1:1", "--insecure", "--model", "gpt-4")
+    assert proc.returncode == 1, proc.stderr
+    assert "not found" not in proc.stderr
+
+
 def test_model_with_router_names_the_model_the_router_must_serve(default_model_path, monkeypatch):
     """--model with --router is honoured: its name goes in the request, so a router serving another model
     refuses it (ModelNotFound) instead of silently answering with its own."""
@@ -178,3 +187,5 @@ def test_model_with_router_names_the_model_the_router_must_serve(default_model_p
     assert asked == {"target": "r:1", "prompt": "hi", "model": default_model_path.stem}
     assert CliRunner().invoke(app, argv[:-2]).exit_code == 0
     assert asked["model"] is None  # no --model: whichever model the router serves
+    assert CliRunner().invoke(app, [*argv[:-1], "gpt-4"]).exit_code == 0
+    assert asked["model"] == "gpt-4"  # a name unknown here: the router judges it

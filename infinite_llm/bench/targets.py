@@ -19,7 +19,7 @@ import httpx
 
 from infinite_llm.bench.datasets import WORDS, BenchRequest, PromptCodec, TokenCodec, WordCodec
 from infinite_llm.bench.metrics import RequestRecord
-from infinite_llm.client import AsyncClient, Client, InfiniteLLMError
+from infinite_llm.client import AsyncClient, Client, InfiniteLLMError, InvalidRequest
 from infinite_llm.rpc.tls import TlsConfig
 
 PREPARE_TIMEOUT_S = 60.0
@@ -83,6 +83,8 @@ class RouterTarget:
             def tokenize(text: str) -> list[int]:
                 try:
                     return client.tokenize(text, add_special_tokens=False, timeout=PREPARE_TIMEOUT_S)
+                except InvalidRequest as e:  # the text is more than the model could ever take: ask for less
+                    raise ValueError(f"the router refuses the prompts' text: {describe_error(e)}") from e
                 except InfiniteLLMError as e:
                     raise TargetError(f"the router at {self.address} does not tokenize: {describe_error(e)}") from e
 

@@ -38,3 +38,14 @@ def test_an_unreachable_router_exits_1_before_sending_anything():
     result = runner.invoke(app, args)
     assert result.exit_code == 1
     assert "does not tokenize: Unavailable" in result.output
+
+
+def test_an_input_len_the_model_cannot_take_exits_2_naming_the_flag(router_address):
+    """A real router (of an 8192-token model) refuses to tokenize the text such prompts are cut from: the
+    flag is at fault, not the router."""
+    args = ["bench", "--target", router_address, "--num-requests", "1", "--input-len", "100000", "--insecure"]
+    result = runner.invoke(app, args)
+    flat = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --dataset-path / --input-len: the router refuses the prompts' text: " in flat
+    assert "does not tokenize" not in flat
