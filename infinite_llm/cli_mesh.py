@@ -20,10 +20,22 @@ def status(
     insecure: Insecure = False,
 ) -> None:
     """Print the cluster: servers with rBlocks used/free, and where each sequence's rBlocks are."""
+    import grpc
+
+    from infinite_llm.core.errors import InfiniteLLMError
     from infinite_llm.services.admin import cluster_state, render_status
 
     tls = load_cli_tls("client", tls_dir, insecure)
-    render_status(cluster_state(manager, tls=tls), stdout_console())
+    try:
+        state = cluster_state(manager, tls=tls)
+    except InfiniteLLMError as e:
+        if getattr(e, "grpc_status", None) == grpc.StatusCode.UNIMPLEMENTED:  # another service listens there
+            raise InfiniteLLMError(
+                f"{manager} does not answer the global manager's ClusterState ({e.message}): is it another "
+                "service's address? give the manager's with --manager"
+            ) from None
+        raise
+    render_status(state, stdout_console())
 
 
 def _bench():  # noqa: ANN202

@@ -178,3 +178,25 @@ def test_bearer_tokens_pass_the_key_check_and_the_rest_do_not():
     assert ApiKeyInterceptor(["k1", "", "k2"]).api_keys == [b"k1", b"k2"]
     with pytest.raises(ValueError):
         ApiKeyInterceptor(["k1", "k 2"])
+
+
+def test_status_pointed_at_another_service_says_so():
+    """A real gRPC server that is not a manager (it implements nothing): the error names the address and the
+    flag instead of gRPC's bare 'Method not found!'."""
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = subprocess.run(
+            [*CLI, "status", "--manager", f"127.0.0.1:{port}", "--insecure"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "250"},
+        )  # fmt: skip
+    finally:
+        server.stop(0)
+    assert proc.returncode == 1, proc.stderr
+    assert f"127.0.0.1:{port} does not answer the global manager's ClusterState (Method not found!)" in proc.stderr
+    assert "give the manager's with --manager" in proc.stderr
