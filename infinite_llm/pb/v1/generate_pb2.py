@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1einfinite_llm/v1/generate.proto\x12\x0finfinite_llm.v1\"\xe0\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x42\n\nlogit_bias\x18\x0e \x03(\x0b\x32..infinite_llm.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x13\n\x0bjson_schema\x18\x10 \x01(\t\x12\x1c\n\x14max_tokens_defaulted\x18\x11 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"\xb1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x19.infinite_llm.v1.TokenIdsH\x00\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.infinite_llm.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"4\n\x0bKVPlacement\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\"[\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12(\n\x03top\x18\x03 \x03(\x0b\x32\x1b.infinite_llm.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x16.infinite_llm.v1.Usage\x12/\n\tplacement\x18\x06 \x03(\x0b\x32\x1c.infinite_llm.v1.KVPlacement\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\x12/\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1d.infinite_llm.v1.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.infinite_llm.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1einfinite_llm/v1/generate.proto\x12\x0finfinite_llm.v1\"\xe0\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x42\n\nlogit_bias\x18\x0e \x03(\x0b\x32..infinite_llm.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x13\n\x0bjson_schema\x18\x10 \x01(\t\x12\x1c\n\x14max_tokens_defaulted\x18\x11 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x19.infinite_llm.v1.TokenIdsH\x00\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.infinite_llm.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x1c\n\x14\x66irst_and_final_only\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"4\n\x0bKVPlacement\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\"[\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12(\n\x03top\x18\x03 \x03(\x0b\x32\x1b.infinite_llm.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x16.infinite_llm.v1.Usage\x12/\n\tplacement\x18\x06 \x03(\x0b\x32\x1c.infinite_llm.v1.KVPlacement\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\x12/\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1d.infinite_llm.v1.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.infinite_llm.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=511
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=559
   _globals['_GENERATEREQUEST']._serialized_start=663
-  _globals['_GENERATEREQUEST']._serialized_end=840
-  _globals['_TOKENIDS']._serialized_start=842
-  _globals['_TOKENIDS']._serialized_end=865
-  _globals['_USAGE']._serialized_start=867
-  _globals['_USAGE']._serialized_end=924
-  _globals['_KVPLACEMENT']._serialized_start=926
-  _globals['_KVPLACEMENT']._serialized_end=978
-  _globals['_TOKENLOGPROB']._serialized_start=980
-  _globals['_TOKENLOGPROB']._serialized_end=1071
-  _globals['_TOPLOGPROB']._serialized_start=1073
-  _globals['_TOPLOGPROB']._serialized_end=1120
-  _globals['_GENERATERESPONSE']._serialized_start=1123
-  _globals['_GENERATERESPONSE']._serialized_end=1435
-  _globals['_ABORTREQUEST']._serialized_start=1437
-  _globals['_ABORTREQUEST']._serialized_end=1471
-  _globals['_ABORTRESPONSE']._serialized_start=1473
-  _globals['_ABORTRESPONSE']._serialized_end=1505
+  _globals['_GENERATEREQUEST']._serialized_end=870
+  _globals['_TOKENIDS']._serialized_start=872
+  _globals['_TOKENIDS']._serialized_end=895
+  _globals['_USAGE']._serialized_start=897
+  _globals['_USAGE']._serialized_end=954
+  _globals['_KVPLACEMENT']._serialized_start=956
+  _globals['_KVPLACEMENT']._serialized_end=1008
+  _globals['_TOKENLOGPROB']._serialized_start=1010
+  _globals['_TOKENLOGPROB']._serialized_end=1101
+  _globals['_TOPLOGPROB']._serialized_start=1103
+  _globals['_TOPLOGPROB']._serialized_end=1150
+  _globals['_GENERATERESPONSE']._serialized_start=1153
+  _globals['_GENERATERESPONSE']._serialized_end=1465
+  _globals['_ABORTREQUEST']._serialized_start=1467
+  _globals['_ABORTREQUEST']._serialized_end=1501
+  _globals['_ABORTRESPONSE']._serialized_start=1503
+  _globals['_ABORTRESPONSE']._serialized_end=1535
 # @@protoc_insertion_point(module_scope)

@@ -1,13 +1,16 @@
 """ComputeInstance servicer: thin async handlers over the engine thread (``EngineLoop``).
 
 A Generate stream ends with finish reason, usage and where the request's rBlocks lived. When the caller
-goes away (cancellation, deadline) the request is aborted, which frees its rBlocks on every server.
+goes away (cancellation, deadline) the request is aborted, which frees its rBlocks on every server. A
+request with ``first_and_final_only`` streams two messages (:class:`FirstAndFinal`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -18,6 +21,38 @@ from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.services.compute.engine_loop import EngineLoop
 from infinite_llm.services.generate_codec import prompt_from_request, response_from_output, sampling_from_proto
 from infinite_llm.services.prompt_limits import check_prompt_size, encode_off_loop
+
+
+class FirstAndFinal:
+    """A request's sink that passes on its first output and its last, the last carrying every token, text and
+    logprob since the first (vLLM's ``RequestOutputKind.FINAL_ONLY``, the first kept so that a caller still
+    learns the request started); errors always pass. Called on the engine thread, so the outputs in between
+    cost the event loop neither a wake-up nor a message.
+
+    Args:
+        post: the sink outputs are passed on to (``RequestOutput`` or an ``Exception``).
+    """
+
+    def __init__(self, post: Callable[[RequestOutput | Exception], None]) -> None:
+        self.post = post
+        self._sent: tuple[int, int, int] | None = None  # tokens, characters, logprobs the first output carried
+
+    def __call__(self, out: RequestOutput | Exception) -> None:
+        if isinstance(out, Exception):
+            self.post(out)
+        elif self._sent is None:
+            self._sent = (len(out.token_ids), len(out.text), len(out.logprobs or ()))
+            self.post(out)
+        elif out.finished:
+            tokens, chars, logprobs = self._sent
+            self.post(
+                dataclasses.replace(
+                    out,
+                    new_token_ids=out.token_ids[tokens:],
+                    new_text=out.text[chars:],
+                    new_logprobs=out.logprobs[logprobs:] if out.logprobs is not None else None,
+                )
+            )
 
 
 class ComputeInstanceServicer(cgrpc.ComputeInstanceServicer):
@@ -40,7 +75,11 @@ class ComputeInstanceServicer(cgrpc.ComputeInstanceServicer):
         rid = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         aio_loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self.loop.submit(rid, prompt, params, lambda o: aio_loop.call_soon_threadsafe(outputs.put_nowait, o))
+
+        def post(out: RequestOutput | Exception) -> None:
+            aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        self.loop.submit(rid, prompt, params, FirstAndFinal(post) if request.first_and_final_only else post)
         self._live.add(rid)
         finished = False
         try:

@@ -212,6 +212,10 @@ class RouterServicer(rgrpc.RouterServicer):
             yield msg
 
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext) -> gpb.GenerateResponse:  # noqa: N802
+        """The whole completion in one reply. The compute instance streams it as two messages (the first token,
+        then the rest: ``first_and_final_only``), not one per token: the first still tells a retry that the
+        request started there."""
+        request.first_and_final_only = True
         total = gpb.GenerateResponse()
         async for msg in self._relay(request, context):
             total.request_id = msg.request_id
