@@ -9,7 +9,8 @@ compute instances from the manager (``serve router --manager``), so instances st
 :meth:`LocalMesh.spawn_compute` take requests too. Homes: attention server ``attn-i`` is the home of compute
 instance ``compute-(i mod M)``. ``stop`` sends SIGTERM (graceful drain), then SIGKILL after a grace period;
 it removes the run directory ``log_dir``, or, when something failed (``keep_logs``), keeps only the logs in
-it. On Linux every service and etcd also get SIGTERM when the launching process dies (``parent_death``).
+it. On Linux every service and etcd also get SIGTERM when the launching process dies (``parent_death``), and
+``run_dir_reaper`` then keeps only the logs, as after a failure.
 
 One machine hosts every process, so they share its cores: every service but the compute instances runs with
 one OpenMP thread, and ``service_nice`` (default 0: off) runs them at that CPU niceness (``nice(1)``; etcd
@@ -50,6 +51,7 @@ from infinite_llm.core.errors import Unavailable
 from infinite_llm.parent_death import dying_with_parent, unwrapped
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.tls import TLS_DIR_ENV, TlsConfig, load_tls_dir
+from infinite_llm.run_dir_reaper import STOPPED, drop_made
 from infinite_llm.state.etcd_launcher import EtcdProcess, EtcdTls, free_port, start_etcd
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,7 @@ class LocalMesh:
     tls_dir: Path | None = None  # the certificates every service uses (None: plaintext), set by start
     etcd_tls_dir: Path | None = None  # etcd's CA, etcd's and the manager's etcd certificates (None: plaintext)
     _restarts: dict[str, int] = field(default_factory=dict)  # respawns by restart_crashed, per name
+    _reaper: subprocess.Popen | None = None  # cleans log_dir if this process is killed outright (run_dir_reaper)
 
     @property
     def router_address(self) -> str:
@@ -162,6 +165,7 @@ class LocalMesh:
             self._setup_tls()
             tls = EtcdTls.from_etcd_tls_dir(self.etcd_tls_dir) if self.etcd_tls_dir else None  # the manager only
             self.etcd = start_etcd(data_dir=self.log_dir / "etcd", tls=tls)
+            self._start_reaper(self.etcd.process.pid)
             manager_port = c.manager_port or free_port()
             etcd_tls = ["--etcd-tls-dir", str(self.etcd_tls_dir)] if self.etcd_tls_dir else []
             self._spawn(
@@ -379,14 +383,38 @@ class LocalMesh:
             shutil.rmtree(self.log_dir, ignore_errors=True)
         else:
             self._drop_secrets_and_data()
+        self._stop_reaper()
 
     def _drop_secrets_and_data(self) -> None:
         """What a kept run directory must not hold: the CAs and keys this mesh made (anyone who reads them
         could pose as any service of a later mesh using them, or sign more) and etcd's data (~60 MB, mostly
         its preallocated log). The services' logs and etcd's log stay."""
-        made = [self.log_dir / "tls", self.log_dir / "etcd-tls", self.log_dir / "etcd" / "etcd"]
-        for directory in made:  # a --tls-dir of the user's is elsewhere: the run directory is new
-            shutil.rmtree(directory, ignore_errors=True)
+        drop_made(self.log_dir)
+
+    def _start_reaper(self, etcd_pid: int) -> None:
+        """The process that drops the secrets and etcd's data from the run directory if this one is killed
+        outright (``run_dir_reaper``); it waits for etcd, which the kernel stops then, for the stop grace."""
+        grace_s = self.config.shutdown_grace_s + 5.0
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "infinite_llm.run_dir_reaper", str(self.log_dir), str(grace_s), str(etcd_pid)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def _stop_reaper(self) -> None:
+        """Tell the reaper this mesh stopped on purpose (it leaves without touching anything)."""
+        reaper, self._reaper = self._reaper, None
+        if reaper is None:
+            return
+        try:
+            reaper.stdin.write(STOPPED)  # type: ignore[union-attr]
+            reaper.stdin.close()  # type: ignore[union-attr]
+            reaper.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            reaper.kill()
+            reaper.wait()
 
     def __enter__(self) -> LocalMesh:
         return self.start()

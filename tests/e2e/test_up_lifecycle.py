@@ -1,6 +1,7 @@
 """``infinite-llm up`` killed outright (SIGKILL: it cannot stop the mesh): every child it started, etcd
-included, gets SIGTERM from the kernel (``parent_death``) and exits, freeing its port for the next ``up``
-(a real process tree, the size of ``test_up_tls``)."""
+included, gets SIGTERM from the kernel (``parent_death``) and exits, freeing its port for the next ``up``, and
+its run directory keeps only the logs (``run_dir_reaper``: no CA, key or etcd data is left behind). A real
+process tree, the size of ``test_up_tls``."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def test_killing_up_stops_every_service_it_started(default_model_path, tmp_path)
         run_dir = _wait_for_tls_dir(proc, log).parent
         assert "API key required" not in log.read_text()  # started without INFINITE_LLM_API_KEY
         children = _children(proc.pid)
-        assert len(children) == 6, children  # etcd, manager, attn-0, compute-0, router, gateway
+        assert len(children) == 7, children  # etcd, the reaper, manager, attn-0, compute-0, router, gateway
+        assert (run_dir / "tls").is_dir() and (run_dir / "etcd" / "etcd").is_dir()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 60
@@ -53,6 +55,8 @@ def test_killing_up_stops_every_service_it_started(default_model_path, tmp_path)
             time.sleep(0.5)
         assert [p for p in children if _alive(p)] == [], log.read_text()
         assert not any(port_in_use(p) for p in (router, manager, gateway))
+        assert [str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_dir()] == ["etcd"]  # logs only
+        assert (run_dir / "manager-0.log").is_file()
     finally:
         if proc.poll() is None:
             proc.kill()
