@@ -382,14 +382,8 @@ class LocalMesh:
         if not self.keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
         else:
-            self._drop_secrets_and_data()
+            drop_made(self.log_dir)  # what a kept run directory must not hold: secrets, etcd's data
         self._stop_reaper()
-
-    def _drop_secrets_and_data(self) -> None:
-        """What a kept run directory must not hold: the CAs and keys this mesh made (anyone who reads them
-        could pose as any service of a later mesh using them, or sign more) and etcd's data (~60 MB, mostly
-        its preallocated log). The services' logs and etcd's log stay."""
-        drop_made(self.log_dir)
 
     def _start_reaper(self, etcd_pid: int) -> None:
         """The process that drops the secrets and etcd's data from the run directory if this one is killed

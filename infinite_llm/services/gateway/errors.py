@@ -74,12 +74,13 @@ async def _validation(request: Request, e: RequestValidationError) -> JSONRespon
     )
 
 
-_JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array"}
-_ALTERNATIVES = {  # pydantic's tags of a union's members, as OpenAI's docs name them
+_ALTERNATIVES = {  # pydantic's tags of a union's members (and the types JSON decodes to), as OpenAI names them
     "str": "a string",
     "int": "an integer",
     "float": "a number",
     "bool": "a boolean",
+    "list": "an array",
+    "dict": "an object",
     "list[int]": "an array of token ids",
     "list[str]": "an array of strings",
     "list[list[int]]": "an array of arrays of token ids",
@@ -89,11 +90,8 @@ _ALTERNATIVES = {  # pydantic's tags of a union's members, as OpenAI's docs name
 
 
 def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, dict):
-        return "an object"
-    return next((name for t, name in _JSON_TYPES.items() if isinstance(value, t)), type(value).__name__)
+    name = type(value).__name__
+    return "null" if value is None else _ALTERNATIVES.get(name, name)
 
 
 def _is_tag(part: object) -> bool:
