@@ -2,7 +2,7 @@
 engine on the same model, at batch 1 and 16, with both attention transports side by side: tensors inline
 in the gRPC stream (``grpc``) and on gloo tensor channels with gRPC keeping the control (``torch``).
 
-All three run in this run, one after the other (one mesh at a time), on SmolLM2-135M-Instruct fp32 (CPU).
+All three run in this run on SmolLM2-135M-Instruct fp32 (CPU), one measurement at a time.
 A decode step's time is isolated from prefill by generating ``n`` and 1 new tokens and dividing the extra
 time by ``n - 1``; the same difference isolates a decode step's fan-out time and CPU. Beside the wall times
 the run prints where the CPU went per decode step: the in-process engine's, and in each mesh the compute
@@ -10,9 +10,14 @@ instance's and the three attention servers' (user + system seconds from ``/proc`
 machine's cores every process together kept busy. On a machine with few cores this shows what sets the
 mesh's step: the servers' CPU per layer and the wake-ups between processes, not the bytes on the wire.
 The single-process engine uses 3 DistAttention partitions, so the only difference is the
-hop to the attention servers. Each side is measured ``--repeats`` times (default 2) and its fastest kept: a
-shared machine's noise only slows a run down, and both sides get the same number of draws. The last line
-reads ``mesh/local batch 16: grpc X.XXx torch Y.YYx``.
+hop to the attention servers. Both meshes stay up for the whole run, and ``--repeats`` rounds (default 3)
+each measure every batch on the three sides back to back, in an order that rotates between rounds. The
+tables show each side's fastest round (a shared machine's noise only ever slows a run down); the ratios
+that decide are paired: mesh over local within one round, whose median over the rounds is printed with
+its range. The last line reads ``mesh/local batch 16: grpc X.XXx torch Y.YYx`` (those medians). Before
+2026-12-04 the meshes ran one after the other, between two local runs, and the last line divided the
+fastest of each side: on this 2-core machine the same code gave 1.33x to 1.92x at batch 16 (torch) within
+an hour: the machine's speed drifts by more than the mesh's overhead between measurements minutes apart.
 Run: ``.venv/bin/python benchmarks/mesh_overhead.py``.
 """
 
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -127,16 +134,12 @@ def compute_stats(address: str, tls) -> cpb.ComputeStatsResponse:  # noqa: ANN00
         return cgrpc.ComputeInstanceStub(ch).GetStats(cpb.ComputeStatsRequest(), timeout=10)
 
 
-def measure_mesh(  # noqa: ANN001
-    transport: str,
-    batches: list[int],
-    tokenizer,
-    new_tokens: int,
-    service_nice: int = SERVICE_NICE,
-    repeats: int = 2,
-) -> dict[int, DecodeStep]:
-    """``{batch: DecodeStep}`` through a fresh mesh using ``transport``: the fastest of ``repeats``
-    measurements (as the local engine's: the noise of a shared machine only ever slows a run down)."""
+@contextlib.contextmanager
+def mesh_meter(  # noqa: ANN001
+    transport: str, tokenizer, new_tokens: int, service_nice: int = SERVICE_NICE
+) -> Iterator[Callable[[int], DecodeStep]]:
+    """A fresh mesh using ``transport``, as a function ``batch -> DecodeStep`` measuring one decode step of
+    ``batch`` sequences through it. On leaving, warns when a server's tensors fell back to gRPC."""
     config = MeshConfig(
         attention_servers=3,
         compute_instances=1,
@@ -146,7 +149,6 @@ def measure_mesh(  # noqa: ANN001
         prefix_caching=False,  # the runs repeat their prompts: each side prefills them in full, as HF would
         service_nice=service_nice,
     )
-    out = {}
     with LocalMesh(config) as mesh, Client(mesh.router_address, tls=mesh.tls("client")) as client:
         compute = mesh.compute_instances()[0]
         servers = [p.popen.pid for p in mesh.attention_servers()]
@@ -162,14 +164,18 @@ def measure_mesh(  # noqa: ANN001
                 machine_cpu_seconds(),
             )
 
-        for batch in batches:
-            ids = prompts(tokenizer, batch)
-            runs = [decode_step(lambda i, n: mesh_seconds(client, i, n), ids, new_tokens, read) for _ in range(repeats)]
-            out[batch] = min(runs, key=lambda r: r.ms)
+        def measure(batch: int) -> DecodeStep:
+            return decode_step(lambda i, n: mesh_seconds(client, i, n), prompts(tokenizer, batch), new_tokens, read)
+
+        yield measure
         fell_back = "tensors travel over gRPC" in (mesh.log_dir / "compute-0.log").read_text(encoding="utf-8")
     if fell_back:
         print(f"warning: the {transport} mesh fell back to gRPC for some attention server (see its compute log)")
-    return out
+
+
+def paired_ratios(rounds: list[dict[str, DecodeStep]], side: str) -> list[float]:
+    """``side``'s ms per step over the local engine's, one ratio per round (both measured back to back)."""
+    return [r[side].ms / r["local"].ms for r in rounds]
 
 
 def main() -> None:
@@ -182,8 +188,8 @@ def main() -> None:
     ap.add_argument(
         "--repeats",
         type=int,
-        default=2,
-        help="measurements per batch and mesh, the fastest kept (the local engine's: before and after the meshes)",
+        default=3,
+        help="rounds: each measures every batch on the local engine and both meshes back to back",
     )
     a = ap.parse_args()
     if a.repeats < 1:
@@ -201,14 +207,22 @@ def main() -> None:
     def local_step(b: int) -> DecodeStep:
         return decode_step(lambda i, n: local_run(engine, i, n), prompts(tokenizer, b), a.new_tokens, read)
 
-    # As many measurements of each side, the fastest kept: half of local's before the meshes and half after
-    # (other load drifts), each mesh's in a row in the same mesh.
-    before = {b: [local_step(b) for _ in range((a.repeats + 1) // 2)] for b in a.batches}
-    mesh = {
-        t: measure_mesh(t, a.batches, tokenizer, a.new_tokens, a.service_nice, a.repeats) for t in ("grpc", "torch")
-    }
-    after = {b: [local_step(b) for _ in range(a.repeats // 2)] for b in a.batches}
-    local = {b: min(before[b] + after[b], key=lambda r: r.ms) for b in a.batches}
+    # Both meshes stay up (idle but for heartbeats while the others run) so that every round measures the
+    # three sides back to back, in a rotating order: a ratio is only ever taken between neighbours in time.
+    sides = ("local", "grpc", "torch")
+    rounds: dict[int, list[dict[str, DecodeStep]]] = {b: [] for b in a.batches}
+    with (
+        mesh_meter("grpc", tokenizer, a.new_tokens, a.service_nice) as grpc_step,
+        mesh_meter("torch", tokenizer, a.new_tokens, a.service_nice) as torch_step,
+    ):
+        meters = {"local": local_step, "grpc": grpc_step, "torch": torch_step}
+        for r in range(a.repeats):
+            order = sides[r % 3 :] + sides[: r % 3]
+            for b in a.batches:
+                rounds[b].append({side: meters[side](b) for side in order})
+    fastest = {b: {side: min((r[side] for r in rounds[b]), key=lambda s: s.ms) for side in sides} for b in a.batches}
+    local = {b: fastest[b]["local"] for b in a.batches}
+    mesh = {t: {b: fastest[b][t] for b in a.batches} for t in ("grpc", "torch")}
     print(
         f"model {resolve_model(None).name}, fp32, {cfg.num_hidden_layers} layers, {a.new_tokens} new tokens, "
         f"the fastest of {a.repeats} measurements each; "
@@ -254,11 +268,20 @@ def main() -> None:
             "unless it spends less CPU (its layers are sequential, so in practice the cores are not all busy; "
             "OpenMP's spin-waits count as CPU, which at batch 1 inflates local's)"
         )
-    b = max(a.batches)
     print(
-        f"mesh/local batch {b}: grpc {mesh['grpc'][b].ms / local[b].ms:.2f}x "
-        f"torch {mesh['torch'][b].ms / local[b].ms:.2f}x"
+        f"\nmesh/local paired by round ({a.repeats} rounds; each measures local, grpc and torch back to back, "
+        "in a rotating order): median (range)"
     )
+    median = {}
+    for b in a.batches:
+        line = []
+        for t in ("grpc", "torch"):
+            ratios = paired_ratios(rounds[b], t)
+            median[b, t] = statistics.median(ratios)
+            line.append(f"{t} {median[b, t]:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"batch {b}: " + ", ".join(line))
+    b = max(a.batches)
+    print(f"mesh/local batch {b}: grpc {median[b, 'grpc']:.2f}x torch {median[b, 'torch']:.2f}x")
 
 
 if __name__ == "__main__":
