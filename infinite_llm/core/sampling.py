@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.logprobs import MAX_LOGPROBS
 
+# Every decode step searches each sequence's new text for each of its stop strings, and holds back as many
+# characters as the longest is long, on the engine thread that serves every request: both are bounded, more
+# loosely than OpenAI's 4 strings (and TGI's default ``--max-stop-sequences 4``).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -71,10 +77,20 @@ class SamplingParams:
         if self.top_k is not None and self.top_k < 1:
             raise InvalidRequest(f"top_k must be >= 1 or unset, got {self.top_k!r}", param="top_k")
         self._check_processors()
-        if any(s == "" for s in self.stop):
-            raise InvalidRequest("stop strings must not be empty", param="stop")
+        self._check_stops()
         if self.seed is None:
             object.__setattr__(self, "seed", random.getrandbits(63))
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", param="stop")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise InvalidRequest(f"stop strings must be strings, got {type(s).__name__}", param="stop")
+            if not 0 < len(s) <= MAX_STOP_CHARS:
+                raise InvalidRequest(
+                    f"a stop string must have 1 to {MAX_STOP_CHARS} characters, got one of {len(s)}", param="stop"
+                )
 
     def _check_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

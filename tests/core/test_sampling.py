@@ -5,7 +5,7 @@ import torch
 
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.sampler import sample, sample_one
-from infinite_llm.core.sampling import SamplingParams
+from infinite_llm.core.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -19,12 +19,20 @@ from infinite_llm.core.sampling import SamplingParams
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": 0}, "top_k"),
         ({"stop": ("",)}, "stop"),
+        ({"stop": tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1))}, "stop"),
+        ({"stop": ("x" * (MAX_STOP_CHARS + 1),)}, "stop"),
+        ({"stop": (7,)}, "stop"),
     ],
 )
 def test_bad_sampling_parameters_are_rejected(kwargs, param):
     with pytest.raises(InvalidRequest, match=param) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param
+
+
+def test_stop_strings_at_their_limits_are_accepted():
+    stop = tuple(f"{i:03d}".ljust(MAX_STOP_CHARS, "x") for i in range(MAX_STOP_STRINGS))
+    assert SamplingParams(stop=stop).stop == stop
 
 
 def test_greedy_picks_argmax():

@@ -9,6 +9,7 @@ body included (OpenAI answers 400).
 from __future__ import annotations
 
 import logging
+import reprlib
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -89,6 +90,15 @@ _ALTERNATIVES = {  # pydantic's tags of a union's members (and the types JSON de
 }
 
 
+def _short_repr(value: object) -> str:
+    """``repr(value)`` cut to about 200 characters without building the whole of a huge value's repr."""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = 160
+    short.maxlist = short.maxdict = short.maxtuple = 8
+    short.maxlevel = 3
+    return short.repr(value)
+
+
 def _json_type(value: object) -> str:
     name = type(value).__name__
     return "null" if value is None else _ALTERNATIVES.get(name, name)
@@ -136,7 +146,7 @@ def validation_message(errors: list[dict], content_type: str = "") -> tuple[str 
         if kind.endswith("_type") or kind.endswith("_parsing"):
             message += f", got {_json_type(first.get('input'))}"
         elif kind not in ("missing", "value_error") and "input" in first:
-            message += f", got {first['input']!r}"[:200]
+            message += f", got {_short_repr(first['input'])}"
     left = len(errors) - len(same)
     if left > 0:
         message += f" (and {left} more problem{'s' if left > 1 else ''})"

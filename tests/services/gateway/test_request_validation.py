@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from infinite_llm.core.sampling import MAX_STOP_STRINGS
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
 
@@ -127,3 +128,17 @@ def test_a_missing_body_or_one_that_is_not_an_object(client):
 def test_several_problems_count_the_others(client):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": "8", "n": "2"})
     _bad(r, "max_tokens", "max_tokens: Input should be a valid integer, got a string (and 1 more problem)")
+
+
+
+def test_too_many_stop_strings_is_a_400_naming_stop(client):
+    r = client.post("/v1/completions", json={"prompt": "hi", "stop": ["x"] * 100_000})
+    _bad(r, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got 100000")
+
+
+def test_a_huge_bad_value_is_quoted_short(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "x" * 1_000_000, "content": "hi"}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith("messages.0"), error
+    assert "xxxxx" in error["message"] and len(error["message"]) < 400, error["message"]
