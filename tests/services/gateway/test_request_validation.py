@@ -130,7 +130,6 @@ def test_several_problems_count_the_others(client):
     _bad(r, "max_tokens", "max_tokens: Input should be a valid integer, got a string (and 1 more problem)")
 
 
-
 def test_too_many_stop_strings_is_a_400_naming_stop(client):
     r = client.post("/v1/completions", json={"prompt": "hi", "stop": ["x"] * 100_000})
     _bad(r, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got 100000")
