@@ -58,7 +58,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Once each: every step asks whether the sampled token is one (the engine bounds them by the vocabulary).
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # the caller's dict may change later
         if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise InvalidRequest(

@@ -35,6 +35,10 @@ def test_stop_strings_at_their_limits_are_accepted():
     assert SamplingParams(stop=stop).stop == stop
 
 
+def test_stop_token_ids_are_kept_once_each_in_order():
+    assert SamplingParams(stop_token_ids=[5, 2, 5, 5, 9, 2]).stop_token_ids == (5, 2, 9)
+
+
 def test_greedy_picks_argmax():
     logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 0.0, 4.9]])
     p = SamplingParams(temperature=0)
