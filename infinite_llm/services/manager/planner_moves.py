@@ -46,7 +46,9 @@ class State:
         for iid, homes in self.homes.items():
             for h in homes:
                 self.owners[h].add(iid)
-        self.entries = {s.seq_id: dict(s.entries) for s in view.seqs}
+        # Shares on a server the view does not list (not yet re-registered with a new leader, or gone) stay
+        # where they are: nothing can be exported from there now, and no free count exists to move them by.
+        self.entries = {s.seq_id: {srv: n for srv, n in s.entries if srv in self.cap} for s in view.seqs}
         self.owner = {s.seq_id: s.owner for s in view.seqs}
 
     @classmethod

@@ -135,3 +135,16 @@ def test_lenders_put_nobodys_servers_first_and_never_a_borrowers_home():
     assert choose_servers(5, free, None, homes=("hB",), lenders=lenders(view, "B")) == [("hB", 5)]
     assert choose_servers(12, free, None, homes=("hB",), lenders=lenders(view, "B")) == [("hB", 9), ("hC", 3)]
     assert choose_servers(3, free, None, homes=("hA",), lenders=lenders(view, "A")) == [("hC", 3)]
+
+
+def test_rblocks_on_a_server_missing_from_the_view_are_left_where_they_are():
+    """A manager that just took the lead reads the ledger before every server re-registered: A's sequence
+    still has rBlocks on hX, which the view does not list. Bringing them home would move them off a server
+    nobody can export from now (the planner crashed on it: ``KeyError: 'hX'``); what the view knows plans
+    as usual."""
+    view = ClusterView(
+        servers=(ServerView("hA", 8, 6), ServerView("p", 8, 4)),
+        instances=(InstanceView("A", ("hA",), 1, 0, 96),),
+        seqs=(SeqView("x", "A", (("hX", 5), ("p", 2))),),
+    )
+    assert plan(view) == [Move("x", "p", "hA", 2, "home")]
