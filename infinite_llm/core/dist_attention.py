@@ -214,6 +214,9 @@ class DistAttention:
         self._published: dict[str, int] = {}  # per sequence: its first blocks that are in the index (or hits)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # of those, tokens served from it (vLLM's prefix_cache_hits)
+        # per sequence: (queries, hits) of a lookup not yet counted. A lookup counts once its sequence is
+        # admitted (its first allocation): a head that waits for memory looks up again every step it tries.
+        self._uncounted: dict[str, tuple[int, int]] = {}
 
     # ---- block manager -------------------------------------------------------------------------------
     @property
@@ -237,6 +240,9 @@ class DistAttention:
             raise InvalidRequest(f"placement returned {len(refs)} rBlocks for {n} asked for {seq_id!r}")
         _add_spans(self._spans.setdefault(seq_id, {}), refs, len(table))
         self._tables[seq_id] = table + refs
+        queries, hits = self._uncounted.pop(seq_id, (0, 0))
+        self.prefix_cache_queries += queries
+        self.prefix_cache_hits += hits
         return True
 
     # ---- prefix cache ---------------------------------------------------------------------------------
@@ -253,8 +259,7 @@ class DistAttention:
         assert not self._tables.get(seq_id), f"sequence {seq_id!r} already has rBlocks"
         hashes = self._hashes[seq_id] = self._hash(token_ids, max_cache_hit_tokens(len(token_ids), self.block_size))
         refs = self.placement.match_prefix(seq_id, hashes) if hashes else []  # type: ignore[attr-defined]
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += len(refs) * self.block_size
+        self._uncounted[seq_id] = (len(token_ids), len(refs) * self.block_size)
         self._published[seq_id] = len(refs)
         if refs:
             self._tables[seq_id] = list(refs)
@@ -315,6 +320,7 @@ class DistAttention:
         holders = list(self._spans.pop(seq_id, {}))
         self._hashes.pop(seq_id, None)
         self._published.pop(seq_id, None)
+        self._uncounted.pop(seq_id, None)
         if not table:
             return 0
         return self.placement.release(seq_id, holders)

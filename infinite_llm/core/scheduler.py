@@ -31,6 +31,7 @@ from infinite_llm.core.sampling import SamplingParams
 # (placement unreachable) defers the sequence; anything else propagates out of ``schedule``.
 REQUEST_ERRORS = (InvalidRequest, NotFound)
 log = logging.getLogger(__name__)
+STALL_LOG_INTERVAL_S = 5.0  # a sequence waiting for unreachable placement is logged at most this often (seconds)
 
 
 class BlockManager(Protocol):
@@ -152,6 +153,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._stall_logged = (-float("inf"), 0)  # (monotonic time of the last stall warning, stalls since)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; raises ``KVCapacityExceeded`` if it could never fit in all of KV memory, and
@@ -202,7 +204,7 @@ class Scheduler:
                 failed.append(self._fail(seq, e))
                 continue  # it left the running list: the next sequence is at i now
             except Unavailable as e:  # placement unreachable (a manager or etcd outage): it waits, the rest step
-                log.warning("no rBlocks for %r this step: %s", seq.seq_id[:64], e)
+                self._warn_stalled(seq, e)
                 i += 1
                 continue
             if seq.status is not SequenceStatus.RUNNING:
@@ -233,6 +235,18 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted, failed)
+
+    def _warn_stalled(self, seq: Sequence, error: Unavailable) -> None:
+        """Log a running sequence that gets no rBlocks this step, at most once per ``STALL_LOG_INTERVAL_S``
+        (an outage stalls it step after step), with how many such stalls went unlogged since."""
+        now = time.monotonic()
+        last, since = self._stall_logged
+        if now - last < STALL_LOG_INTERVAL_S:
+            self._stall_logged = (last, since + 1)
+            return
+        more = f" ({since} more stalls since the last warning, {now - last:.0f} s ago)" if since else ""
+        log.warning("no rBlocks for %r this step: %s%s", seq.seq_id[:64], error, more)
+        self._stall_logged = (now, 0)
 
     def _fail(self, seq: Sequence, error: InfiniteLLMError) -> Sequence:
         """Finish ``seq`` with reason "error" because of ``error``; its rBlocks are freed where possible."""

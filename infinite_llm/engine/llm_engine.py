@@ -102,6 +102,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.num_interrupted_steps = 0
+        self.last_step_scheduled = 0  # sequences the last step scheduled (0: it ran no model)
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)  # built on first use
 
     @classmethod
@@ -209,6 +210,7 @@ class LLMEngine:
         asked for the cut, and the next step schedules the others exactly as this one did.
         """
         out = self.scheduler.schedule()
+        self.last_step_scheduled = len(out.scheduled)
         failed = [self._failed_output(seq) for seq in out.failed]
         if not out.scheduled:
             return failed

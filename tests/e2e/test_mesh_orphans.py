@@ -155,7 +155,7 @@ def test_requests_outlive_a_manager_sigkill_and_restart_with_identical_output(fa
     clean_s = seconds_to_clean(mesh, 4 * TTL_S)
     # A release the manager could not take was freed on the servers, and its ledger entry reconciled.
     (compute,) = mesh.compute_instances()
-    freed = re.findall(r"manager unreachable: freed \d+ rBlocks of (\S+) on", compute.log_path.read_text())
+    freed = re.findall(r"freed \d+ rBlocks of (\S+) on its holders directly", compute.log_path.read_text())
     reclaimed = re.findall(r"reclaimed orphan \w+ of sequence (\S+)", manager.log_path.read_text())
     assert freed and set(freed) <= set(reclaimed), (freed, reclaimed)
     print(f"manager SIGKILL + restart: {len(freed)} releases taken by the servers during the outage, reconciled;")

@@ -68,3 +68,24 @@ def test_requests_sharing_a_prefix_in_one_batch_and_after_eviction(make_engine, 
     assert engine.generate([a], GREEDY)[0].token_ids == ref_a  # what is left of a's prefix, or a recompute
     assert engine.kv.prefix_cache_hits - hits in range(0, 96, BS)  # some of a's 6 cacheable blocks were evicted
     _assert_baseline(engine)
+
+
+def test_a_request_waiting_for_memory_counts_its_lookup_once(make_engine, reference, prompt):
+    """``b`` shares ``a``'s first 3 full blocks and waits behind it for memory (10 rBlocks: ``a`` holds 5-6
+    of them for 20 decode steps, ``b`` needs 7 beside the 3 it shares). It looks the cache up at every step
+    it tries to be admitted; only the lookup of its admission counts in ``prefix_cache_queries`` / ``_hits``
+    (found on a mesh: 414,143 tokens queried for 3 requests of 3,031 prompt tokens while they waited)."""
+    engine = make_engine(block_size=BS, num_kv_blocks=10, num_partitions=2)
+    a, b = prompt[:70], prompt[:48] + prompt[300:400]  # 70 + 20 = 90 tokens: 6 rBlocks; 148 + 6: 10
+    long_a = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request(a, long_a, request_id="a")
+    engine.step()  # a is running
+    engine.add_request(b, GREEDY, request_id="b")
+    steps = 1
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps > 20 and engine.scheduler.num_preemptions == 0  # b tried to get in at each of a's steps
+    # a: 70 tokens, no hit (cold); b: 148 tokens, the 3 blocks it shares with a's prompt, cached
+    assert (engine.kv.prefix_cache_queries, engine.kv.prefix_cache_hits) == (70 + 148, 3 * BS)
+    _assert_baseline(engine)

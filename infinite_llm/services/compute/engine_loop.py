@@ -54,6 +54,10 @@ class _Abort:
 
 # An abort cuts a running step at most once per this many seconds (EngineLoop.cut_interval_s).
 CUT_INTERVAL_S = 2.0
+# A step that can run nothing (every sequence waits for rBlocks: the cluster is full, or placement is paused
+# while the manager is unreachable) is tried again after a wait that doubles from the first to the second
+# figure (seconds), ended early by any new command: not in a loop that spins a core and floods the log.
+STALLED_WAIT_S = (0.005, 0.1)
 
 
 class EngineLoop:
@@ -128,23 +132,32 @@ class EngineLoop:
 
     # ---- engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
+        stalled = 0  # consecutive steps that ran nothing while sequences waited
         while True:
             try:
                 block = not self.engine.has_unfinished()
                 if block and self.when_idle is not None:
                     self.when_idle()
-                if not self._apply_commands(block):
+                wait = min(STALLED_WAIT_S[0] * 2 ** min(stalled - 1, 30), STALLED_WAIT_S[1]) if stalled else 0.0
+                if not self._apply_commands(block, wait):
                     return
                 if self.engine.has_unfinished():
                     self._step()
+                    stalled = stalled + 1 if self.stalled else 0
             except Exception as e:  # noqa: BLE001 - the thread must outlive any one failure (e.g. a failed free)
                 log.exception("engine loop error; failing %d requests", len(self._sinks))
                 self._fail_all(e)
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when idle); False when asked to stop."""
+    @property
+    def stalled(self) -> bool:
+        """Whether the last step ran nothing though sequences wait (engine thread)."""
+        return self.engine.has_unfinished() and not self.engine.last_step_scheduled
+
+    def _apply_commands(self, block: bool, wait_s: float = 0.0) -> bool:
+        """Apply queued commands (waiting for one when idle, or up to ``wait_s`` seconds for one); False
+        when asked to stop."""
         try:
-            cmd = self._commands.get(block=block)
+            cmd = self._commands.get(block=block or wait_s > 0, timeout=None if block else wait_s or None)
         except queue.Empty:
             return True
         while True:

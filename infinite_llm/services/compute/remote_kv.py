@@ -59,6 +59,7 @@ class ManagerPlacement:
         self._to_publish: list[mpb.PrefixBlock] = []  # full rBlocks of this step, sent by flush_published
         self._held: set[str] = set()
         self._away_until = 0.0  # monotonic time until which the manager counts as away (no new retries)
+        self._away_reason = ""  # what its last UNAVAILABLE said
         self._servers: dict[str, agrpc.AttentionServerStub] = {}
 
     def held_seq_ids(self) -> list[str]:
@@ -180,7 +181,7 @@ class ManagerPlacement:
         UNAVAILABLE the next calls fail at once for ``PLACE_RETRY_S``. Raises ``Unavailable`` (that case) or
         the call's ``grpc.RpcError``."""
         if time.monotonic() < self._away_until:
-            raise Unavailable("the global manager is unreachable; placement is retried shortly")
+            raise Unavailable(f"placement is paused for {PLACE_RETRY_S:g} s after {self._away_reason}")
         with self._lock:
             had = seq_id in self._held
             self._held.add(seq_id)
@@ -191,7 +192,7 @@ class ManagerPlacement:
                 with self._lock:
                     self._held.discard(seq_id)
             if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._away_until = time.monotonic() + PLACE_RETRY_S
+                self._pause(e)
             raise
         refs = []
         with self._lock:
@@ -250,12 +251,17 @@ class ManagerPlacement:
             if e.code() == grpc.StatusCode.NOT_FOUND:  # already released
                 return 0
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._away_until = time.monotonic() + PLACE_RETRY_S
+                self._pause(e)
                 return self._free_on_holders(seq_id, holders)
             raise error_from_rpc(e) from None
         total, free, at = self._capacity
         self._capacity = (total, free + reply.num_freed, at)
         return reply.num_freed
+
+    def _pause(self, e: grpc.RpcError) -> None:
+        """No new manager call for ``PLACE_RETRY_S``, after the manager call that failed with ``e``."""
+        self._away_until = time.monotonic() + PLACE_RETRY_S
+        self._away_reason = f"a manager call failed with {e.code().name}: {e.details()}"  # type: ignore[attr-defined]
 
     def _call_manager(self, method: str, request):  # noqa: ANN001, ANN202
         """One manager call, retried with exponential backoff (0.1 s doubling, up to ``PLACE_RETRY_S`` in
@@ -281,7 +287,12 @@ class ManagerPlacement:
                 freed += stub.FreeSequence(request, timeout=min(self.timeout_s, PLACE_RETRY_S)).num_freed
             except (grpc.RpcError, InvalidRequest) as e:
                 log.warning("could not free %s on %s directly: %s", seq_id[:64], holder, e)
-        log.warning("manager unreachable: freed %d rBlocks of %s on its holders; its ledger entry waits", freed, seq_id)
+        log.warning(
+            "freed %d rBlocks of %s on its holders directly (%s); the manager reclaims its ledger entry later",
+            freed,
+            seq_id,
+            self._away_reason,
+        )
         return freed
 
 

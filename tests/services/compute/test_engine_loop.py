@@ -4,12 +4,14 @@ only; the requests beside it finish with the in-process engine's greedy tokens a
 server holding an rBlock of a sequence that its block table does not put there refuses the step, and the loop
 recomputes instead of letting attention drift."""
 
+import logging
 import threading
+import time
 
 import pytest
 
 from infinite_llm.core.dist_attention import DistAttention
-from infinite_llm.core.errors import InvalidRequest, NotFound
+from infinite_llm.core.errors import InvalidRequest, NotFound, Unavailable
 from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import EngineConfig, LLMEngine, RequestOutput
@@ -177,3 +179,58 @@ def test_a_migration_order_whose_sequence_ended_settles_while_the_loop_idles(loo
         pairs["B"].stub.CancelReservation(pb.CancelReservationRequest(reservation_id=rid), timeout=10)
     stats = pairs["B"].stub.GetStats(pb.GetStatsRequest(), timeout=10)
     assert (stats.num_free, stats.num_reserved, stats.num_sequences) == (BLOCKS, 0, 0)
+
+
+def test_a_stalled_loop_backs_off_logs_rarely_and_resumes_with_the_same_tokens(make_engine, caplog):
+    """A running sequence that gets no rBlocks (placement paused: the manager unreachable) stalls every step
+    it is scheduled: the loop waits between such steps (doubling from 5 to 100 ms, ended by any command)
+    instead of spinning a core, and logs the stall at most once per ``STALL_LOG_INTERVAL_S``. Found on a
+    real mesh: 19,800 warnings and 20,174 engine steps in 6 s of a manager outage, for 3 requests. Once
+    placement is back, the sequence goes on with the greedy tokens of an engine that never stalled."""
+    reference = make_engine(num_kv_blocks=64)
+    ids = reference.tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = reference.generate([ids], params)[0].token_ids
+
+    engine = make_engine(num_kv_blocks=64)
+    placement, place = engine.kv.placement, engine.kv.placement.place
+    paused = threading.Event()
+    paused.set()
+
+    def paused_growth(seq_id, n, first_index, near=None):  # noqa: ANN001, ANN202
+        if paused.is_set() and first_index > 0:  # admitted, then stalls at its first new rBlock
+            raise Unavailable("placement is paused (test)")
+        return place(seq_id, n, first_index, near)
+
+    placement.place = paused_growth
+    schedules = 0
+    schedule = engine.scheduler.schedule
+
+    def counted():  # noqa: ANN202
+        nonlocal schedules
+        schedules += 1
+        return schedule()
+
+    engine.scheduler.schedule = counted
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        done = Collected()
+        with caplog.at_level(logging.WARNING, logger="infinite_llm.core.scheduler"):
+            loop.submit("stalls", ids, params, done)
+            deadline = time.monotonic() + 30
+            while not loop.stalled and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert loop.stalled, "the sequence never stalled"
+            start = schedules
+            time.sleep(1.0)
+            stalled_steps = schedules - start
+            paused.clear()
+            assert done.done.wait(60) and done.error is None
+        warnings = [r for r in caplog.records if "no rBlocks for 'stalls'" in r.getMessage()]
+    finally:
+        loop.stop()
+    # 1 s of waits doubling from 5 ms to 100 ms is about 13 steps; a spinning loop runs thousands
+    assert 5 <= stalled_steps <= 20, stalled_steps
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert done.final.token_ids == want
