@@ -13,10 +13,20 @@ from infinite_llm.cli_serve import serve_app
 from infinite_llm.cli_tls import Insecure, TlsDir, load_cli_tls
 from infinite_llm.cli_up import up
 
+STATUS_ROLES = ("client", "manager", "router", "gateway", "compute", "attention")  # may read the cluster state
+
 
 def status(
     manager: Annotated[str, typer.Option(help="Global manager HOST:PORT.")] = "127.0.0.1:50050",
     tls_dir: TlsDir = None,
+    tls_role: Annotated[
+        str,
+        typer.Option(
+            help="Whose certificate in --tls-dir to present: client, or a service's (inside a service's pod, "
+            "whose --tls-dir holds only its own: e.g. manager).",
+            rich_help_panel="Security",
+        ),
+    ] = "client",
     insecure: Insecure = False,
 ) -> None:
     """Print the cluster: servers with rBlocks used/free, and where each sequence's rBlocks are."""
@@ -25,7 +35,9 @@ def status(
     from infinite_llm.core.errors import InfiniteLLMError
     from infinite_llm.services.admin import cluster_state, render_status
 
-    tls = load_cli_tls("client", tls_dir, insecure)
+    if tls_role not in STATUS_ROLES:
+        raise typer.BadParameter(f"must be one of {', '.join(STATUS_ROLES)}, got {tls_role!r}", param_hint="--tls-role")
+    tls = load_cli_tls(tls_role, tls_dir, insecure)
     try:
         state = cluster_state(manager, tls=tls)
     except InfiniteLLMError as e:

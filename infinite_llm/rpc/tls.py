@@ -78,8 +78,8 @@ def tls_files(directory: Path, role: str) -> tuple[Path, Path, Path]:
 def load_tls_dir(
     directory: str | Path, role: str, server_name: str | None = SERVER_NAME, flag: str = "--tls-dir"
 ) -> TlsConfig:
-    """Read ``ca.pem``, ``<role>.pem`` and ``<role>-key.pem`` from ``directory`` (``flag``: the option that
-    named it, for the messages).
+    """Read ``ca.pem``, ``<role>.pem`` and ``<role>-key.pem`` from ``directory`` (``flag``: the option, keyword
+    or environment variable that named it, for the messages).
 
     Raises:
         InvalidRequest: an unknown role, a missing or unreadable file, or a file that is not PEM.
@@ -87,14 +87,15 @@ def load_tls_dir(
     if role not in ROLES:
         raise InvalidRequest(f"unknown role {role!r}; roles are {', '.join(ROLES)}", param="role")
     path, param = Path(directory), flag.lstrip("-").replace("-", "_")
+    named = f"{flag} {directory}" if flag.startswith("--") else f"{flag}={str(directory)!r}"
     contents = []
     for file in tls_files(path, role):
         try:
             data = file.read_bytes()
         except OSError as e:
-            raise InvalidRequest(f"{flag} {directory}: cannot read {file.name}: {e.strerror}", param=param) from e
+            raise InvalidRequest(f"{named}: cannot read {file.name}: {e.strerror}", param=param) from None
         if b"-----BEGIN" not in data:
-            raise InvalidRequest(f"{flag} {directory}: {file.name} is not PEM", param=param)
+            raise InvalidRequest(f"{named}: {file.name} is not PEM", param=param)
         contents.append(data)
     return TlsConfig(role, *contents, directory=path, server_name=server_name)
 
@@ -174,13 +175,13 @@ def client_tls(tls: TlsArg | str | Path = FROM_PROCESS, role: str = "client") ->
     :data:`FROM_PROCESS`, the process's identity, else ``$INFINITE_LLM_TLS_DIR``'s ``role`` files, else
     plaintext (``None``). Raises InvalidRequest for a directory without the role's files."""
     if isinstance(tls, (str, Path)):
-        return load_tls_dir(tls, role)
+        return load_tls_dir(tls, role, flag="tls")
     if not isinstance(tls, _FromProcess):
         return tls
     if _process_tls is not None:
         return _process_tls
     directory = os.environ.get(TLS_DIR_ENV)
-    return load_tls_dir(directory, role) if directory else None
+    return load_tls_dir(directory, role, flag=TLS_DIR_ENV) if directory else None
 
 
 # ---- the peer's role ---------------------------------------------------------------------------------------

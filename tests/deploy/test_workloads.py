@@ -238,3 +238,18 @@ def test_model_users_get_the_model_from_the_init_step(rendered, render, componen
     volumes = {v["name"]: v for v in spec["volumes"] if v["name"] != "tls"}  # tls: the role's Secret (test_tls.py)
     assert set(volumes) == {"models", "model-cache", "tmp"}
     assert all("emptyDir" in v for v in volumes.values())
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_the_compute_model_cache_holds_the_weights_in_their_dtype(rendered, render, default_model_path):
+    """The compute instance keeps its dequantized weights (``weights-<DTYPE>.safetensors``, registry.py) in
+    the model-cache emptyDir: a sizeLimit below them gets the pod evicted, again at every restart (it was
+    256Mi for 513 MiB of SmolLM2 in float32). Room for the weights plus 10%."""
+    import gguf
+    import torch
+
+    w = workload_of(rendered, render, "compute")
+    dtype = getattr(torch, config_data(rendered[render], main_container(w))["DTYPE"])
+    elements = sum(int(t.n_elements) for t in gguf.GGUFReader(default_model_path).tensors)
+    (cache,) = [v for v in pod_spec(w)["volumes"] if v["name"] == "model-cache"]
+    assert parse_quantity(cache["emptyDir"]["sizeLimit"]) >= 1.1 * elements * dtype.itemsize

@@ -75,6 +75,18 @@ def test_up_makes_a_ca_and_prints_the_tls_dir_clients_need(default_model_path, t
             capture_output=True, text=True, timeout=120, env=_env(),
         )  # fmt: skip
         assert status.returncode == 0 and "attn-0" in status.stdout, status.stderr
+        # Inside a service's pod the TLS directory holds that role's files only: --tls-role presents them.
+        manager_only = tmp_path / "manager-tls"
+        manager_only.mkdir()
+        for name in ("ca.pem", "manager.pem", "manager-key.pem"):
+            (manager_only / name).write_bytes((tls_dir / name).read_bytes())
+        as_manager = [*CLI, "status", "--manager", f"127.0.0.1:{manager}", "--tls-dir", str(manager_only)]
+        status = subprocess.run(
+            [*as_manager, "--tls-role", "manager"], capture_output=True, text=True, timeout=120, env=_env()
+        )
+        assert status.returncode == 0 and "attn-0" in status.stdout, status.stderr
+        status = subprocess.run(as_manager, capture_output=True, text=True, timeout=120, env=_env())
+        assert status.returncode == 2 and "client.pem" in status.stderr, status.stderr
         generate = subprocess.run(
             [*CLI, "generate", "--prompt", "The capital of France is", "--max-tokens", "4"]
             + ["--router", f"127.0.0.1:{router}", "--tls-dir", str(tls_dir)],

@@ -27,7 +27,7 @@ from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
 from infinite_llm.rpc.interceptors.api_key import ApiKeyInterceptor
 from infinite_llm.rpc.server import Service, start_server
-from infinite_llm.rpc.tls import ROLES, TlsConfig, load_tls_dir
+from infinite_llm.rpc.tls import ROLES, TLS_DIR_ENV, TlsConfig, client_tls, load_tls_dir
 
 
 def stand_in(pb2, service: str, base: type) -> object:
@@ -291,6 +291,22 @@ def test_a_tls_dir_without_the_role_files_is_invalid(tmp_path):
         load_tls_dir(tmp_path, "attention")
     with pytest.raises(InvalidRequest, match="unknown role 'operator'"):
         load_tls_dir(tmp_path, "operator")
+
+
+def test_the_sdk_names_its_tls_keyword_and_the_cli_its_flag(tmp_path, monkeypatch):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(InvalidRequest) as e:
+        client_tls(str(missing))
+    assert (e.value.message, e.value.param) == (
+        f"tls={str(missing)!r}: cannot read ca.pem: No such file or directory",
+        "tls",
+    )
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    monkeypatch.setenv(TLS_DIR_ENV, str(missing))
+    with pytest.raises(InvalidRequest, match=f"^{TLS_DIR_ENV}='.*nowhere': cannot read ca.pem"):
+        client_tls()
+    with pytest.raises(InvalidRequest, match=f"^--tls-dir {missing}: cannot read ca.pem"):
+        load_tls_dir(missing, "client")
 
 
 def test_keys_are_private_and_the_role_is_in_cn_and_uri_san(tmp_path):
