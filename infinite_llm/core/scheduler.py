@@ -175,7 +175,7 @@ class Scheduler:
             raise KVCapacityExceeded(
                 f"request needs {need} rBlocks of {bs} tokens ({prompt} prompt + {seq.params.max_tokens} max_tokens), "
                 f"the KV memory holds {total} in all: it can never fit"
-                + (f"; max_tokens <= {fits} would" if fits > 0 else ""),
+                + (f"; max_tokens <= {fits} would fit" if fits > 0 else ""),
                 param="max_tokens" if fits > 0 else "prompt",
             )
         self.waiting.append(seq)

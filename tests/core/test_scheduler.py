@@ -203,7 +203,7 @@ def test_a_request_larger_than_all_kv_memory_names_max_tokens_when_the_prompt_al
     assert e.value.param == "max_tokens"
     assert str(e.value) == (
         "request needs 5 rBlocks of 4 tokens (10 prompt + 8 max_tokens), the KV memory holds 4 in all: "
-        "it can never fit; max_tokens <= 6 would"
+        "it can never fit; max_tokens <= 6 would fit"
     )
     with pytest.raises(KVCapacityExceeded) as e:
         sched.add(_seq("b", 16, max_tokens=1))  # the prompt alone fills every rBlock
@@ -228,7 +228,7 @@ def test_a_defaulted_max_tokens_is_lowered_to_what_kv_memory_holds_instead_of_re
     ):
         with pytest.raises(KVCapacityExceeded) as e:
             sched.add(Sequence("c", list(range(10)), params))
-        assert e.value.param == "max_tokens" and str(e.value).endswith("max_tokens <= 6 would")
+        assert e.value.param == "max_tokens" and str(e.value).endswith("max_tokens <= 6 would fit")
     with pytest.raises(KVCapacityExceeded) as e:  # the prompt alone fills KV memory: nothing to lower
         sched.add(Sequence("d", list(range(16)), SamplingParams(max_tokens=512, max_tokens_defaulted=True)))
     assert e.value.param == "prompt"

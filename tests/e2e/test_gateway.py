@@ -284,9 +284,9 @@ def test_a_chat_without_max_tokens_is_served_to_the_end_of_kv_memory_not_refused
     assert (error["type"], error["code"], error["param"]) == (
         "invalid_request_error",
         "context_length_exceeded",
-        "max_tokens",
+        "max_completion_tokens",  # the field it sent, as for the model's context length
     )
-    assert error["message"].endswith(f"max_tokens <= {kv_tokens - prompt_tokens} would")
+    assert error["message"].endswith(f"max_completion_tokens <= {kv_tokens - prompt_tokens} would fit")
     assert wait_until(lambda: all_blocks_free(mesh))
 
 

@@ -120,6 +120,28 @@ async def generate(
     max_choices: int = MAX_CHOICES_PER_REQUEST,
 ):  # noqa: ANN201
     """Shared body of both generation endpoints."""
+    try:
+        return await _generate(request, backend, body, special_tokens_in_messages, max_choices)
+    except InfiniteLLMError as e:
+        raise _as_sent(e, body) from None
+
+
+def _as_sent(e: InfiniteLLMError, body: CompletionRequest | ChatCompletionRequest) -> InfiniteLLMError:
+    """``e`` naming the fields the client sent: the mesh calls the completion length ``max_tokens``, which a
+    chat request may have sent as ``max_completion_tokens``."""
+    if e.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        e.param, e.message = "max_completion_tokens", e.message.replace("max_tokens", "max_completion_tokens")
+        e.args = (e.message,)
+    return e
+
+
+async def _generate(
+    request: Request,
+    backend: RouterBackend,
+    body: CompletionRequest | ChatCompletionRequest,
+    special_tokens_in_messages: bool,
+    max_choices: int,
+):  # noqa: ANN202
     chat = isinstance(body, ChatCompletionRequest)
     prefix = "chatcmpl" if chat else "cmpl"
     plan = await handlers.plan(backend, body, prefix, special_tokens_in_messages, max_choices)
