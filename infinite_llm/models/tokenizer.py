@@ -8,6 +8,7 @@ caches the result with :meth:`Tokenizer.save`). Everything is offline: the HF hu
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -49,6 +50,24 @@ def _tokenizer_class(path: Path) -> Any:
 
         return TokenizersBackend
     return _auto_tokenizer()
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a SentencePiece byte-fallback piece
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: each of the 256 bytes as a printable character, character -> byte
+    (``bytes_to_unicode`` in openai/gpt-2's ``encoder.py``, which the byte-level models share)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class Tokenizer:
@@ -95,6 +114,39 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 byte sequences render as U+FFFD."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for, which may be part of a multi-byte UTF-8 character (where
+        :meth:`decode` of the token alone gives U+FFFD): through the byte-level alphabet of GPT-2-style BPE
+        (SmolLM2, Llama 3, Qwen), a ``<0xNN>`` byte-fallback piece or a ``▁`` word boundary of SentencePiece
+        (Llama 2), else the UTF-8 of the token's text (special tokens included). OpenAI's logprobs ``bytes``.
+        """
+        cache = self.__dict__.setdefault("_bytes_of", {})
+        if token_id not in cache:
+            cache[token_id] = self._token_bytes(token_id)
+        return cache[token_id]
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.hf.convert_ids_to_tokens(int(token_id))
+        if piece is None or token_id in self.hf.all_special_ids:
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        if self._byte_level:
+            alphabet = _byte_alphabet()
+            if all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+        elif _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        elif "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer's decoder is byte-level (GPT-2's alphabet of 256 printable characters)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return False
+        return '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
 
     @property
     def has_chat_template(self) -> bool:

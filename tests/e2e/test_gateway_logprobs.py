@@ -159,3 +159,39 @@ def test_the_sdk_returns_token_and_prompt_logprobs_from_the_router(mesh, tokeniz
     assert all(len(lp.top) == 2 for lp in out.logprobs) and all(len(lp.top) == 1 for lp in out.prompt_logprobs)
     assert scored.token_ids == [] and scored.finish_reason == "length"
     assert [lp.logprob for lp in scored.prompt_logprobs] == [lp.logprob for lp in out.prompt_logprobs]
+
+
+EMOJI_PROMPT = "héllo 😀 wörld, 日本語 🎉!"
+
+
+def test_text_offsets_and_bytes_hold_across_characters_split_between_tokens(http, oai, tokenizer):
+    """The emoji and CJK characters here are split between byte-level tokens (each piece alone decodes to
+    U+FFFD). Each ``text_offset`` is where its token starts in the returned text: a token that starts a
+    character starts at its text there, one that continues a character at that character's start (summing
+    the token texts' lengths drifted past the first emoji). Streamed chunks give the same offsets. Chat
+    ``bytes`` are each token's own bytes: joined, they are the reply's text."""
+    ids = tokenizer.encode(EMOJI_PROMPT)
+    raw = [tokenizer.token_bytes(t) for t in ids]
+    assert b"".join(raw).decode() == EMOJI_PROMPT
+    assert any(t == "\ufffd" or t.endswith("\ufffd") for t in (tokenizer.decode([i]) for i in ids))  # splits
+    body = {"prompt": EMOJI_PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+    (choice,) = completion(http, **body)["choices"]
+    text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+    assert text == EMOJI_PROMPT
+    for i, (at, piece) in enumerate(zip(offsets, raw, strict=True)):
+        before = b"".join(raw[:i])
+        if (piece[0] & 0xC0) != 0x80:  # the token starts a character: its text is there
+            assert text[at:].encode().startswith(piece.decode("utf-8", errors="ignore").encode()), (i, at)
+            assert at == len(before.decode())
+        else:  # it continues the character that starts at its offset
+            assert at == len(before.decode("utf-8", errors="ignore")), (i, at)
+    events = sse_events(http, "/v1/completions", {**body, "max_tokens": 4, "stream": True, "temperature": 0})
+    whole = completion(http, **{**body, "max_tokens": 4, "temperature": 0})["choices"][0]
+    streamed = [x for e in events if e["choices"] for x in (e["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    assert streamed == whole["logprobs"]["text_offset"] and streamed[: len(ids)] == offsets
+
+    messages = [{"role": "user", "content": "Repeat exactly: 😀😀 日本"}]
+    reply = oai.chat.completions.create(model="", messages=messages, max_tokens=12, temperature=0, logprobs=True)
+    content = reply.choices[0].logprobs.content
+    joined = b"".join(bytes(c.bytes) for c in content)
+    assert joined.decode("utf-8", errors="replace") == reply.choices[0].message.content

@@ -181,3 +181,36 @@ def test_a_tokenizer_dir_naming_another_class_loads_through_auto_tokenizer(tok, 
         assert other.encode(text) == tok.encode(text)
     assert other.apply_chat_template(CHATS[1]) == tok.apply_chat_template(CHATS[1])
     assert (other.vocab_size, other.eos_token_ids, other.bos_token_id) == (49152, (2,), 1)
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if t])
+def test_token_bytes_join_into_the_text_for_byte_level_bpe(tok, text):
+    """SmolLM2's byte-level BPE splits multi-byte characters between tokens; each token's own bytes (what
+    OpenAI's logprobs ``bytes`` carry) join back into the text, special tokens included."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids).decode("utf-8") == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_token_bytes_of_a_sentencepiece_byte_fallback_vocabulary():
+    """A Llama-2-style vocabulary built with the ``tokenizers`` library: ``▁`` word boundaries and
+    ``<0xNN>`` pieces for characters it lacks. The bytes join into the text after SentencePiece's dummy
+    prefix space (which its decoder strips)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from infinite_llm.models.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab |= {"▁": 259, "h": 260, "i": 261, "▁h": 262, "▁hi": 263}
+    merges = [("▁", "h"), ("▁h", "i")]
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    t = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>"))
+    ids = t.encode("hi 😀", add_special_tokens=False)
+    assert ids == [263, 259, 3 + 0xF0, 3 + 0x9F, 3 + 0x98, 3 + 0x80]
+    assert [t.token_bytes(i) for i in ids] == [b" hi", b" ", b"\xf0", b"\x9f", b"\x98", b"\x80"]
+    assert t.decode(ids) == "hi 😀" and t.decode([3 + 0xF0]) == "\ufffd"

@@ -205,10 +205,10 @@ def completion_piece(
     i: int,
     chunk: CompletionChunk,
     first: bool,
-    offset: int = 0,  # noqa: ANN001
+    offsets: logprobs.TextOffsets | None = None,  # noqa: ANN001
 ) -> tuple[str, CompletionLogprobs | None]:
     """Text and logprobs of choice ``i`` for ``chunk`` (a whole completion, or a streamed piece); the
-    ``first`` piece starts with the echoed prompt; token offsets start at ``offset``."""
+    ``first`` piece starts with the echoed prompt; ``offsets``: the choice's text before this piece."""
     ids, lps, text = list(chunk.token_ids), list(chunk.logprobs), chunk.text
     if first and p.echo:
         prompt = p.prompts[i // p.n]
@@ -216,7 +216,7 @@ def completion_piece(
         lps = [None, *chunk.prompt_logprobs, *lps] if p.logprobs else lps
     if not p.logprobs:
         return text, None
-    return text, logprobs.completion_logprobs(tokenizer, ids, lps, offset)
+    return text, logprobs.completion_logprobs(tokenizer, ids, lps, offsets)
 
 
 def completion_response(p: params.Plan, outs: list[CompletionChunk], tokenizer) -> CompletionResponse:  # noqa: ANN001
@@ -275,11 +275,8 @@ async def completion_chunks(
     async for i, chunk in events:
         finish = params.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
         completion_tokens += len(chunk.token_ids)
-        text, lps = completion_piece(p, tokenizer, i, chunk, i not in offsets, offsets.get(i, 0))
-        if lps is not None:
-            offsets[i] = logprobs.end_offset(lps) if lps.tokens else offsets.get(i, 0)
-        else:
-            offsets.setdefault(i, 0)
+        first = i not in offsets
+        text, lps = completion_piece(p, tokenizer, i, chunk, first, offsets.setdefault(i, logprobs.TextOffsets()))
         if text or finish or (lps is not None and lps.tokens):
             choice = CompletionChoice(index=i, text=text, logprobs=lps, finish_reason=finish)
             usage = Usage.of(p.prompt_tokens, completion_tokens) if p.continuous_usage else None
