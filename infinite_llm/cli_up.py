@@ -91,6 +91,7 @@ def up(
                 # started again; the mesh survives losing attention servers (their sequences are recomputed).
                 for p in mesh.restart_crashed():
                     err.print(f"[yellow]{p.name} exited; restarted[/yellow] (log: {p.log_path})")
+                    mesh.keep_logs = True  # what explains the crash outlives the mesh
             except Unavailable as e:
                 err.print(f"[red]a service keeps crashing[/red]: {e}")
                 mesh.keep_logs = True
@@ -98,6 +99,7 @@ def up(
             for p in [p for p in mesh.procs if not p.alive() and p.name not in reported]:
                 reported.add(p.name)
                 err.print(f"[yellow]{p.name} exited[/yellow] (log: {p.log_path})")
+                mesh.keep_logs = True
     finally:
         err.print("stopping the mesh...")
         mesh.stop()

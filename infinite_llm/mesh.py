@@ -271,13 +271,23 @@ class LocalMesh:
         return proc
 
     def restart_crashed(self, max_restarts: int = 5) -> list[Proc]:
-        """Respawn every manager, compute instance, router and gateway that exited; returns them. Attention
-        servers stay down (the mesh recomputes their sequences on the others).
+        """Respawn every manager, compute instance, router and gateway that exited, and etcd (same port and
+        data: the services ride its outage out, as a StatefulSet's etcd restarts); returns them (etcd as a
+        :class:`Proc` of role ``etcd``). Attention servers stay down (the mesh recomputes their sequences on
+        the others).
 
         Raises:
-            Unavailable: one of them exited more than ``max_restarts`` times (a crash loop).
+            Unavailable: one of them exited more than ``max_restarts`` times (a crash loop), or etcd could
+                not start again.
         """
         restarted = []
+        if self.etcd is not None and self.etcd.process.poll() is not None:
+            self._restarts["etcd"] = self._restarts.get("etcd", 0) + 1
+            if self._restarts["etcd"] > max_restarts:
+                raise Unavailable(f"etcd exited {self._restarts['etcd']} times:\n{tail(self.etcd.log_path)}")
+            old = self.etcd
+            self.etcd = start_etcd(data_dir=old.data_dir, client_port=old.client_port, tls=old.tls)
+            restarted.append(Proc("etcd", "etcd", f"{old.host}:{old.client_port}", self.etcd.process, old.log_path))
         for p in self.procs:
             if p.role in RESTARTED_ROLES and not p.alive():
                 self._restarts[p.name] = self._restarts.get(p.name, 0) + 1

@@ -4,15 +4,19 @@ it. Real processes (``sleep`` stands in for a service: only the process lifecycl
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
 import subprocess
 import time
+import urllib.request
 
 import pytest
 
 from infinite_llm.core.errors import Unavailable
 from infinite_llm.mesh import LocalMesh, MeshConfig, Proc, _bare
+from infinite_llm.state.etcd_launcher import start_etcd
 
 NICE = 10
 
@@ -73,6 +77,37 @@ def test_a_crash_loop_stops_the_supervision(mesh):
     manager.popen.wait()
     with pytest.raises(Unavailable, match="manager-0 exited 3 times"):
         mesh.restart_crashed(max_restarts=2)
+
+
+def _etcd_http(etcd, path: str, body: dict) -> dict:
+    """One call of etcd's v3 JSON gateway (plaintext etcd)."""
+    request = urllib.request.Request(f"{etcd.endpoint}/v3/kv/{path}", data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def test_a_crashed_etcd_is_started_again_on_its_port_with_its_data(mesh):
+    """etcd killed under a running mesh: ``up`` used to leave it a zombie while every request failed. It
+    comes back on the same port with the same data (the services ride the outage out:
+    ``tests/e2e/test_mesh_orphans.py``), and counts toward the crash-loop limit like any service."""
+    mesh.etcd = start_etcd(data_dir=mesh.log_dir / "etcd")
+    key = base64.b64encode(b"/infinite-llm/ledger/x").decode()
+    _etcd_http(mesh.etcd, "put", {"key": key, "value": base64.b64encode(b"kept").decode()})
+    assert mesh.restart_crashed() == []
+    old = mesh.etcd
+    old.process.kill()
+    (restarted,) = mesh.restart_crashed(max_restarts=1)
+    try:
+        assert (restarted.role, restarted.name, restarted.address) == ("etcd", "etcd", f"127.0.0.1:{old.client_port}")
+        assert restarted.alive() and restarted.popen is mesh.etcd.process and old.process.poll() is not None
+        assert mesh.etcd.client_port == old.client_port and mesh.etcd.data_dir == old.data_dir
+        (kv,) = _etcd_http(mesh.etcd, "range", {"key": key})["kvs"]
+        assert base64.b64decode(kv["value"]) == b"kept"
+        mesh.etcd.process.kill()
+        with pytest.raises(Unavailable, match="etcd exited 2 times"):
+            mesh.restart_crashed(max_restarts=1)
+    finally:
+        mesh.etcd.stop()
 
 
 def test_a_failed_mesh_keeps_its_logs_but_not_its_keys_nor_etcds_data(monkeypatch):

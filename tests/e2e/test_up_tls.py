@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,6 +121,25 @@ def test_up_makes_a_ca_and_prints_the_tls_dir_clients_need(default_model_path, t
                     assert e.code() == grpc.StatusCode.UNAVAILABLE
         run_dir_logs = (tls_dir.parent / "manager-0.log").read_text()
         assert "mTLS as manager" in run_dir_logs
+        # etcd killed under the mesh: up starts it again on its port with its data, and status works again.
+        # Stopped after a crash, up keeps the run directory's logs (not its keys nor etcd's data) and says so.
+        run_dir = tls_dir.parent
+        os.kill(_pid_running(f"--data-dir={run_dir / 'etcd' / 'etcd'}"), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "etcd exited; restarted" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text(errors="replace")
+            time.sleep(0.5)
+        status = subprocess.run(
+            [*CLI, "status", "--manager", f"127.0.0.1:{manager}", "--tls-dir", str(tls_dir)],
+            capture_output=True, text=True, timeout=120, env=_env(),
+        )  # fmt: skip
+        assert status.returncode == 0 and "attn-0" in status.stdout, status.stderr
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+        assert f"the services' logs are kept in {run_dir}" in " ".join(log.read_text(errors="replace").split())
+        assert not (run_dir / "tls").exists() and not (run_dir / "etcd" / "etcd").exists()
+        assert (run_dir / "etcd" / "etcd.log").is_file() and (run_dir / "manager-0.log").is_file()
+        shutil.rmtree(run_dir)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -127,3 +147,14 @@ def test_up_makes_a_ca_and_prints_the_tls_dir_clients_need(default_model_path, t
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _pid_running(argument: str) -> int:
+    """The process whose command line holds ``argument`` (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and argument.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no process runs with {argument}")
