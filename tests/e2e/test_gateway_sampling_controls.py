@@ -63,6 +63,24 @@ def test_continuous_usage_stats_put_usage_so_far_on_every_chunk(http):
     assert events[-1]["choices"] == []  # include_usage's final chunk, as before
 
 
+def test_continuous_usage_stats_count_each_choice_its_own_tokens_from_0_on_the_role_chunk(http):
+    """As vLLM: a chunk's usage counts its choice's tokens so far (not every choice's together), the role's
+    chunk 0; the final usage counts them all."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "seed": 1, "stream": True}
+    body |= {"ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    per_choice: dict[int, list[int]] = {0: [], 1: []}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        per_choice[choice["index"]].append(e["usage"]["completion_tokens"])
+        if choice["delta"].get("role") == "assistant":
+            assert e["usage"]["completion_tokens"] == 0
+    for counts in per_choice.values():
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 4, counts
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+
+
 def test_get_model_by_id_and_head_on_metrics_and_health(http):
     served = http.get("/v1/models").json()["data"][0]
     assert http.get(f"/v1/models/{served['id']}").json() == served

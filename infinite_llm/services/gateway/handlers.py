@@ -271,19 +271,20 @@ async def completion_chunks(
     tokenizer,  # noqa: ANN001
 ) -> AsyncIterator[BaseModel]:
     """Per choice: text pieces (the first with the echoed prompt), each with its tokens' logprobs."""
-    created, completion_tokens, offsets = int(time.time()), 0, {}
+    created, completion_tokens, offsets = int(time.time()), {}, {}  # choice -> its tokens so far, offsets
     async for i, chunk in events:
         finish = params.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
-        completion_tokens += len(chunk.token_ids)
+        completion_tokens[i] = completion_tokens.get(i, 0) + len(chunk.token_ids)
         first = i not in offsets
         text, lps = completion_piece(p, tokenizer, i, chunk, first, offsets.setdefault(i, logprobs.TextOffsets()))
         if text or finish or (lps is not None and lps.tokens):
             choice = CompletionChoice(index=i, text=text, logprobs=lps, finish_reason=finish)
-            usage = Usage.of(p.prompt_tokens, completion_tokens) if p.continuous_usage else None
+            usage = Usage.of(p.prompt_tokens, completion_tokens[i]) if p.continuous_usage else None  # as vLLM
             yield CompletionResponse(id=p.id, created=created, model=p.model, choices=[choice], usage=usage)
     if include_usage:
+        total = sum(completion_tokens.values())
         yield CompletionResponse(
-            id=p.id, created=created, model=p.model, choices=[], usage=Usage.of(p.prompt_tokens, completion_tokens)
+            id=p.id, created=created, model=p.model, choices=[], usage=Usage.of(p.prompt_tokens, total)
         )
 
 
@@ -295,19 +296,20 @@ async def chat_chunks(
 ) -> AsyncIterator[BaseModel]:
     """Per choice: a first delta with the role, content deltas (with their tokens' logprobs when asked),
     then an empty delta with the finish reason."""
-    created, completion_tokens, started = int(time.time()), 0, set()
+    created, completion_tokens = int(time.time()), {}  # choice -> its tokens so far
 
     def chunk_of(choice: ChatStreamChoice) -> ChatCompletionChunk:
-        usage = Usage.of(p.prompt_tokens, completion_tokens) if p.continuous_usage else None
+        # continuous usage counts the choice's own tokens so far, as vLLM's does (0 on the role's chunk)
+        usage = Usage.of(p.prompt_tokens, completion_tokens[choice.index]) if p.continuous_usage else None
         return ChatCompletionChunk(id=p.id, created=created, model=p.model, choices=[choice], usage=usage)
 
     calling = p.tools is not None and p.tools.calls_tools
     held: dict[int, str] = {}  # tool-calling answers are parsed whole: their text is held until the end
     async for i, chunk in events:
-        completion_tokens += len(chunk.token_ids)
-        if i not in started:
-            started.add(i)
+        if i not in completion_tokens:
+            completion_tokens[i] = 0
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")))
+        completion_tokens[i] += len(chunk.token_ids)
         lps = logprobs.chat_logprobs(tokenizer, chunk.logprobs) if p.logprobs and chunk.token_ids else None
         if calling:
             held[i] = held.get(i, "") + chunk.text
@@ -322,8 +324,9 @@ async def chat_chunks(
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=message.content, tool_calls=calls or None)))
         yield chunk_of(ChatStreamChoice(index=i, delta=Delta(), finish_reason=reason))
     if include_usage:
+        total = sum(completion_tokens.values())
         yield ChatCompletionChunk(
-            id=p.id, created=created, model=p.model, choices=[], usage=Usage.of(p.prompt_tokens, completion_tokens)
+            id=p.id, created=created, model=p.model, choices=[], usage=Usage.of(p.prompt_tokens, total)
         )
 
 
