@@ -25,6 +25,8 @@ never retried: a request the router refused for its content or for capacity fail
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import math
 import uuid
@@ -83,9 +85,25 @@ def _chunk(msg: gpb.GenerateResponse) -> CompletionChunk:
     )
 
 
+SAMPLING_NAMES = tuple(inspect.signature(sampling_to_proto).parameters)  # the keywords generate/stream take
+
+
+def _holding(text: object, **fields: object) -> str | None:
+    """The name of the field whose value is, or holds, ``text`` (the string protobuf could not encode)."""
+    for name, value in fields.items():
+        if value is text or (isinstance(value, (list, tuple)) and any(v is text for v in value)):
+            return name
+    return None
+
+
 def _request(prompt: str | list[int], request_id: str | None, model: str | None, **sampling) -> gpb.GenerateRequest:
     """The message of one request. Raises ``InvalidRequest`` for text that is not valid Unicode (a lone
     UTF-16 surrogate: protobuf strings are UTF-8) and ``MessageTooLarge`` past the gRPC message limit."""
+    unknown = [name for name in sampling if name not in SAMPLING_NAMES]
+    if unknown:  # what Python says of any unknown keyword, naming the SDK's method, not the encoder's
+        close = difflib.get_close_matches(unknown[0], SAMPLING_NAMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f" (sampling parameters: {', '.join(SAMPLING_NAMES)})"
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}{hint}")
     try:
         req = gpb.GenerateRequest(
             request_id=request_id or f"cmpl-{uuid.uuid4().hex}",
@@ -98,7 +116,8 @@ def _request(prompt: str | list[int], request_id: str | None, model: str | None,
             req.token_ids.ids.extend(prompt)
     except UnicodeEncodeError as e:
         raise InvalidRequest(
-            f"the request holds text that is not valid Unicode: {e.reason} ({e.object[e.start : e.end]!r})"
+            f"the request holds text that is not valid Unicode: {e.reason} ({e.object[e.start : e.end]!r})",
+            param=_holding(e.object, prompt=prompt, model=model, request_id=request_id, **sampling),
         ) from None
     if req.ByteSize() > MAX_MESSAGE_BYTES:  # gRPC would refuse it with RESOURCE_EXHAUSTED, as if the mesh were full
         raise MessageTooLarge(

@@ -65,8 +65,11 @@ def sampling_to_proto(
     """The message of these parameters (the SDK's encoder; the servers validate the values).
 
     Raises ``InvalidRequest`` naming the parameter when a value cannot be put on the wire at all (an int
-    past the field's range, a wrong type): protobuf's own ``ValueError``/``TypeError`` names none.
+    past the field's range, a wrong type, a ``max_tokens`` of None): protobuf's own ``ValueError`` /
+    ``TypeError`` names none, and an unset ``max_tokens`` would travel as 0.
     """
+    if max_tokens is None:
+        raise InvalidRequest("max_tokens must be a positive integer, got None", param="max_tokens")
     fields = {
         "max_tokens": max_tokens,
         "stop": list(stop),

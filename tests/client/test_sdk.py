@@ -96,3 +96,26 @@ def test_a_router_that_is_not_there_is_unavailable_after_the_retries_or_past_the
     # 4 resends wait up to 0.5 + 1 + 2 + 4 s at random: a 0.3 s deadline passes first (all but ~1e-4 of runs)
     with Client(address, tls=None, max_retries=4) as client, pytest.raises(DeadlineExceeded):
         client.generate("hi", timeout=0.3)
+
+
+def test_requests_the_sdk_cannot_encode_fail_before_any_rpc_naming_what_is_wrong(server):
+    """A misspelt keyword is Python's TypeError naming ``generate()`` with the close match (not the
+    encoder's function); ``max_tokens=None`` says None (it used to travel as 0, and the router said 0);
+    text that is not valid Unicode names the field that holds it."""
+    address, calls = server
+    with Client(address, tls=None) as client:
+        with pytest.raises(
+            TypeError,
+            match=r"^generate\(\) got an unexpected keyword argument 'tempurature'; did you mean 'temperature'\?$",
+        ):
+            client.generate("hi", tempurature=0.5)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+            list(client.stream("hi", colour="blue"))
+        with pytest.raises(InvalidRequest, match="^max_tokens must be a positive integer, got None$") as e:
+            client.generate("hi", max_tokens=None)
+        assert e.value.param == "max_tokens"
+        for kwargs, param in [({"prompt": "a\ud800b"}, "prompt"), ({"prompt": "hi", "stop": ["ok", "\udfff"]}, "stop")]:
+            with pytest.raises(InvalidRequest, match="not valid Unicode|surrogates not allowed") as e:
+                client.generate(**kwargs)
+            assert e.value.param == param
+    assert calls == []
