@@ -36,7 +36,7 @@ from pathlib import Path
 
 import grpc
 
-from infinite_llm.client.errors import InvalidRequest, MessageTooLarge, error_from_rpc
+from infinite_llm.client.errors import InfiniteLLMError, InvalidRequest, MessageTooLarge, Unavailable, error_from_rpc
 from infinite_llm.core.logprobs import TokenLogprob
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.pb.v1 import router_pb2 as rpb
@@ -191,11 +191,24 @@ class _RouterChannel:
         max_retries: int = DEFAULT_MAX_RETRIES,
     ) -> None:
         credentials, options = _credentials(tls, api_key, max_retries)
+        self._plaintext = credentials is None
         if credentials is None:
             self._channel = self._grpc.insecure_channel(target, options=options)
         else:
             self._channel = self._grpc.secure_channel(target, credentials, options=options)
         self._stub = rgrpc.RouterStub(self._channel)
+
+    def _error(self, e: grpc.RpcError) -> InfiniteLLMError:
+        """The typed error of a failed call; a plaintext channel the server closed at once gets a hint: a
+        mesh serves mTLS by default, and gRPC reports a plaintext client's refused handshake this way."""
+        err = error_from_rpc(e)
+        if self._plaintext and isinstance(err, Unavailable) and "Socket closed" in err.message:
+            err.message += (
+                " (this client speaks plaintext: if the router serves mTLS, as `infinite-llm up` and the "
+                "manifests do, give tls= a TLS directory or set INFINITE_LLM_TLS_DIR)"
+            )
+            err.args = (err.message,)
+        return err
 
 
 class Client(_RouterChannel):
@@ -227,7 +240,7 @@ class Client(_RouterChannel):
                 )
             )
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
 
     def stream(
         self,
@@ -247,7 +260,7 @@ class Client(_RouterChannel):
             for msg in call:
                 yield _chunk(msg)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
         finally:
             call.cancel()
 
@@ -255,20 +268,20 @@ class Client(_RouterChannel):
         try:
             return self._stub.Abort(gpb.AbortRequest(request_id=request_id), timeout=_timeout(timeout)).aborted
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
 
     def list_models(self, timeout: float = 10.0) -> list[str]:
         try:
             return [m.id for m in self._stub.ListModels(rpb.ListModelsRequest(), timeout=_timeout(timeout)).models]
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
 
     def tokenize(self, text: str, add_special_tokens: bool = True, timeout: float = 10.0) -> list[int]:
         try:
             req = rpb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
             return list(self._stub.Tokenize(req, timeout=_timeout(timeout)).token_ids)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
 
 
 class AsyncClient(_RouterChannel):
@@ -299,7 +312,7 @@ class AsyncClient(_RouterChannel):
             req = _request(prompt, request_id, model, max_tokens=max_tokens, **sampling)
             return _chunk(await self._stub.Generate(req, timeout=_timeout(timeout)))
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
 
     async def stream(
         self,
@@ -318,7 +331,7 @@ class AsyncClient(_RouterChannel):
             async for msg in call:
                 yield _chunk(msg)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
         finally:
             call.cancel()
 
@@ -326,7 +339,7 @@ class AsyncClient(_RouterChannel):
         try:
             return (await self._stub.Abort(gpb.AbortRequest(request_id=request_id), timeout=_timeout(timeout))).aborted
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
 
     async def list_models(self, timeout: float = 10.0) -> list[str]:
         try:
@@ -334,4 +347,4 @@ class AsyncClient(_RouterChannel):
                 m.id for m in (await self._stub.ListModels(rpb.ListModelsRequest(), timeout=_timeout(timeout))).models
             ]
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None

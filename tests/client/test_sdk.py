@@ -119,3 +119,22 @@ def test_requests_the_sdk_cannot_encode_fail_before_any_rpc_naming_what_is_wrong
                 client.generate(**kwargs)
             assert e.value.param == param
     assert calls == []
+
+
+def test_a_plaintext_client_refused_by_an_mtls_router_is_told_about_tls(tmp_path):
+    """gRPC reports a plaintext client whose handshake an mTLS server refuses as UNAVAILABLE 'Socket closed',
+    which reads as a router that is down: the SDK says what to try."""
+    from infinite_llm.client import Unavailable
+    from infinite_llm.rpc.certs import write_tls_dir
+    from infinite_llm.rpc.tls import load_tls_dir
+
+    write_tls_dir(tmp_path, roles=("router",))
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = srv.add_secure_port("127.0.0.1:0", load_tls_dir(tmp_path, "router").server_credentials())
+    srv.start()
+    try:
+        with Client(f"127.0.0.1:{port}", tls=None, max_retries=0) as client, pytest.raises(Unavailable) as e:
+            client.list_models(timeout=10)
+    finally:
+        srv.stop(None)
+    assert "Socket closed" in e.value.message and "this client speaks plaintext" in e.value.message

@@ -112,6 +112,9 @@ def test_compute_instance_killed_mid_decode_leaves_no_orphans_and_is_replaced(fa
     killed_at = time.monotonic()
     streams.join(60)
     assert all(isinstance(e, Unavailable) for e in streams.errors), streams.errors  # failed after tokens, not hung
+    for e in streams.errors:  # saying what happened and what to do, not gRPC's bare "Socket closed"
+        assert f"compute instance {compute.address} failed after the request's first tokens" in e.message, e
+        assert e.message.endswith("the output so far is partial: send the request again"), e
     clean_s = seconds_to_clean(mesh, timeout_s=4 * TTL_S)
     print(f"compute SIGKILL: no orphans {time.monotonic() - killed_at:.1f} s after the kill (lease {TTL_S} s)")
     assert time.monotonic() - killed_at <= 3 * TTL_S + 2, clean_s  # lease expiry + one lease period

@@ -190,6 +190,11 @@ class RouterServicer(rgrpc.RouterServicer):
                 if not sent and isinstance(error, Unavailable | QueueFull):
                     last_error = error
                     continue
+                if sent and isinstance(error, Unavailable):  # tokens went out: no other instance may take it over
+                    raise Unavailable(
+                        f"compute instance {inst.address} failed after the request's first tokens ({error.message}); "
+                        "the output so far is partial: send the request again"
+                    ) from None
                 raise error from None
             finally:
                 call.cancel()  # no-op when finished; frees the request downstream when the caller left
