@@ -53,6 +53,27 @@ def test_a_named_function_is_called_with_arguments_that_validate(oai):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
+def test_a_named_call_cut_by_max_tokens_is_a_call_with_its_arguments_so_far(oai):
+    """As OpenAI's: ``length``, and a tool call whose arguments are the prefix the model wrote of those it
+    writes with room (not the arguments' JSON as content, which a client reading tool_calls never sees)."""
+    kwargs = dict(model="", messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED, temperature=0)
+    whole = oai.chat.completions.create(**kwargs, max_tokens=MAX_TOKENS).choices[0].message.tool_calls[0]
+    for stream in (False, True):
+        if stream:
+            chunks = list(oai.chat.completions.create(**kwargs, max_tokens=4, stream=True))
+            calls = [c for chunk in chunks for ch in chunk.choices for c in ch.delta.tool_calls or []]
+            reasons = [ch.finish_reason for chunk in chunks for ch in chunk.choices if ch.finish_reason]
+            assert [c.function.name for c in calls] == ["get_weather"]
+            arguments, reason = calls[0].function.arguments, reasons[-1]
+        else:
+            choice = oai.chat.completions.create(**kwargs, max_tokens=4).choices[0]
+            assert choice.message.content is None
+            (call,) = choice.message.tool_calls
+            arguments, reason = call.function.arguments, choice.finish_reason
+        assert reason == "length"
+        assert arguments and whole.function.arguments.startswith(arguments) and arguments != whole.function.arguments
+
+
 def test_required_calls_one_or_more_listed_functions_with_valid_arguments(oai):
     for temperature in (0.0, 1.0):
         reply = oai.chat.completions.create(

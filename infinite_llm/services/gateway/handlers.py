@@ -235,7 +235,10 @@ def chat_message(p: params.Plan, text: str, engine_reason: str | None) -> tuple[
     if p.tools is None or not p.tools.calls_tools:
         return AssistantMessage(content=text), reason
     content, calls = tools.parse_calls(p.tools, text)
-    return AssistantMessage(content=content, tool_calls=calls or None), "tool_calls" if calls else reason
+    # calls cut short by max_tokens keep "length" (as OpenAI's): their last arguments are partial JSON
+    return AssistantMessage(
+        content=content, tool_calls=calls or None
+    ), "tool_calls" if calls and reason == "stop" else reason
 
 
 def chat_response(p: params.Plan, outs: list[CompletionChunk], tokenizer) -> ChatCompletionResponse:  # noqa: ANN001

@@ -149,15 +149,16 @@ def _arguments(call: dict) -> Any:
 
 # ---- the answer -------------------------------------------------------------------------------------------
 def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
-    """``(content, tool_calls in OpenAI's shape)`` of a finished answer; no calls when none parse."""
+    """``(content, tool_calls in OpenAI's shape)`` of a finished answer; no calls when none parse.
+
+    Under ``required`` and a named function the grammar makes the whole answer calls, so an answer cut short
+    (``max_tokens``) is still calls: the complete ones, then the last with the ``arguments`` text it got to,
+    as OpenAI and vLLM return a named call cut by ``length``.
+    """
     if plan.mode == "named":
-        return (None, [_call(plan.name, text)]) if _is_json(text) else (text, [])
+        return None, [_call(plan.name, text)]
     if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []
-        return None, [_call(i["name"], json.dumps(i["parameters"])) for i in items]
+        return _required_calls(text)
     if plan.mode == "auto":
         calls = []
         for found in HERMES_CALL.findall(text):
@@ -171,12 +172,36 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     return text, []
 
 
-def _is_json(text: str) -> bool:
+_ITEM_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
+
+
+def _required_calls(text: str) -> tuple[str | None, list[dict]]:
+    """The calls of a ``required`` answer, a JSON array of ``{"name", "parameters"}``: each whole item, then
+    an item cut short with its name and the parameters' text so far. Text that is not such an array (a
+    grammar would not let it be) stays content."""
     try:
-        json.loads(text)
+        items = json.loads(text)
     except json.JSONDecodeError:
-        return False
-    return True
+        items = None
+    if isinstance(items, list):
+        return None, [_call(i["name"], json.dumps(i["parameters"])) for i in items]
+    start = text.find("[")
+    if start < 0 or text[:start].strip():
+        return text, []
+    calls, at, decoder = [], start + 1, json.JSONDecoder()
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+            calls.append(_call(item["name"], json.dumps(item["parameters"])))
+            continue
+        except (json.JSONDecodeError, KeyError, TypeError):
+            head = _ITEM_HEAD.match(text, at)
+            if head is not None:
+                calls.append(_call(json.loads(f'"{head.group(1)}"'), text[head.end() :]))
+            break
+    return (None, calls) if calls else (text, [])
 
 
 def _call(name: str, arguments: str) -> dict:

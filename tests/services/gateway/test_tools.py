@@ -158,3 +158,27 @@ def test_history_keeps_calls_and_results_with_or_without_a_tool_template():
     messages, template_tools = render_history(history, tool_plan([WEATHER], "auto", HERMES), HERMES)
     assert template_tools == [WEATHER | {"function": {**WEATHER["function"]}}]
     assert messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+def test_calls_cut_short_by_max_tokens_are_still_calls_with_the_arguments_so_far():
+    """The grammar makes a required or named answer nothing but calls: cut by ``max_tokens`` it is the
+    complete calls, then the last one's name with its arguments' text so far (OpenAI's and vLLM's shape for
+    a named call cut by ``length``), never the grammar's JSON as content."""
+    named = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, CHATML)
+    assert parse_calls(named, '{"city": "Ro')[1][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Ro'}
+    assert parse_calls(named, "")[1][0]["function"] == {"name": "get_weather", "arguments": ""}
+    required = tool_plan([WEATHER, TIME], "required", CHATML)
+
+    def named_args(text: str) -> list[tuple[str, str]]:
+        content, calls = parse_calls(required, text)
+        assert content is None, content
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+    assert named_args('[{"name": "get_weather", "parameters": {"city": "Os') == [("get_weather", '{"city": "Os')]
+    assert named_args('[{"name":"get_time","parameters":{}}, {"name": "get_weather", "parameters": {') == [
+        ("get_time", "{}"),
+        ("get_weather", "{"),
+    ]
+    assert named_args('[{"name": "get_time", "parameters": {}},') == [("get_time", "{}")]
+    assert parse_calls(required, '[{"na') == ('[{"na', [])  # not even a name yet: no call to speak of
+    assert parse_calls(required, "Sorry, no.") == ("Sorry, no.", [])
