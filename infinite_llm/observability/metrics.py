@@ -167,6 +167,12 @@ class ManagerMetrics:
         self.view_capacity = Gauge(
             P + "cluster_rblocks_capacity", "Capacity per server in rBlocks", ["server_id"], registry=registry
         )
+        # vLLM's kv_cache_usage_perc, over the whole pool: set_function'd by the servicer (live members only)
+        self.kv_cache_usage = Gauge(
+            P + "kv_cache_usage_perc",
+            "KV memory used over every live attention server, 0 to 1 (rBlocks placed or reserved / capacity)",
+            registry=registry,
+        )
 
 
 class RouterMetrics:

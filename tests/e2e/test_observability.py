@@ -93,6 +93,20 @@ def test_metrics_of_every_service_move_by_the_expected_amounts(mesh):
             == 8
         )
 
+    # The pool's KV usage (vLLM's kv_cache_usage_perc, over every live server): above 0 while a request
+    # holds rBlocks, back to 0 once none does.
+    def usage() -> float:
+        return value(scrape(manager.metrics_address), "infinite_llm:kv_cache_usage_perc")
+
+    assert wait_until(lambda: usage() == 0)
+    with Client(mesh.router_address) as client:
+        stream = client.stream("Count to fifty:", max_tokens=40, temperature=0, ignore_eos=True)
+        next(stream)
+        held = usage()
+        stream.close()
+    assert 0 < held <= 1
+    assert wait_until(lambda: usage() == 0)
+
     gw_before = value(
         scrape(mesh.gateway_address), "infinite_llm:gateway_requests_total", route="/v1/models", status="200"
     )

@@ -25,7 +25,21 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         """``reports``: where heartbeats' holdings go for the orphan reconciler (``None``: dropped)."""
         self.manager = manager
         self.metrics = metrics or ManagerMetrics(CollectorRegistry())
+        self.metrics.kv_cache_usage.set_function(self.kv_cache_usage)
         self.reports = reports
+        self._last_usage = 0.0
+
+    def kv_cache_usage(self) -> float:
+        """Used fraction of the live attention servers' rBlocks in the manager's view (0 with none). Read by
+        the metrics thread: a view that changes while it is summed gives the last value instead."""
+        try:
+            caps = [self.manager.view.get(m.info.server_id) for m in self.manager.members()]
+            total = sum(c.capacity_blocks for c in caps if c is not None)
+            free = sum(c.free_blocks for c in caps if c is not None)
+        except RuntimeError:  # changed size during iteration
+            return self._last_usage
+        self._last_usage = (total - free) / total if total else 0.0
+        return self._last_usage
 
     def address_of(self, server_id: str) -> str | None:
         for m in self.manager.members():
