@@ -28,10 +28,12 @@ from opentelemetry.sdk.trace.export import (
 
 log = logging.getLogger(__name__)
 _configured = False
+REQUEST_ID_ATTRIBUTE = "infinite_llm.request_id"  # on the spans of the gateway, the router and compute instances
 
 
 class JsonLinesSpanExporter(SpanExporter):
-    """Appends ``{"trace_id", "span_id", "parent_id", "name", "service", "kind"}`` lines to a file."""
+    """Appends ``{"trace_id", "span_id", "parent_id", "name", "service", "kind", "request_id"}`` lines to a
+    file (``request_id``: the span's ``infinite_llm.request_id`` attribute, or None)."""
 
     def __init__(self, path: str, service: str) -> None:
         self.path = path
@@ -51,6 +53,7 @@ class JsonLinesSpanExporter(SpanExporter):
                         "name": s.name,
                         "service": self.service,
                         "kind": s.kind.name,
+                        "request_id": (s.attributes or {}).get(REQUEST_ID_ATTRIBUTE),
                     }
                 )
             )

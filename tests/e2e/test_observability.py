@@ -152,8 +152,12 @@ def test_one_trace_follows_a_request_through_every_hop(traced_mesh):
     import openai
 
     client = openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key="unused")
-    done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello there", max_tokens=4, temperature=0)
+    raw = client.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct", prompt="Hello there", max_tokens=4, temperature=0
+    )
+    done = raw.parse()
     assert done.choices[0].finish_reason == "length"
+    assert raw.headers["x-request-id"] == done.id  # what to grep the logs and traces for
     time.sleep(1.0)  # spans of the last hops are exported as they end
     spans = [json.loads(line) for line in spans_path.read_text().splitlines()]
     gateway_traces = {s["trace_id"] for s in spans if s["service"] == "gateway" and s["kind"] == "SERVER"}
@@ -164,4 +168,8 @@ def test_one_trace_follows_a_request_through_every_hop(traced_mesh):
     assert len(full) == 1, {t: by_trace[t] for t in gateway_traces}
     names = {s["name"] for s in spans if s["trace_id"] == full[0]}
     assert "engine.step" in names
+    # the completion's id names its spans: the gateway's request, the router's relay of its choice, the
+    # compute instance's generation (one choice: "<id>-0")
+    named = {(s["service"], s["request_id"]) for s in spans if s["trace_id"] == full[0] and s["request_id"]}
+    assert named == {("gateway", done.id), ("router", f"{done.id}-0"), ("compute", f"{done.id}-0")}, named
     assert any("AttendStream" in n for n in names) and any("Place" in n for n in names)

@@ -13,8 +13,10 @@ import uuid
 from collections.abc import Callable
 
 import grpc
+from opentelemetry import trace
 
 from infinite_llm.engine import RequestOutput
+from infinite_llm.observability.tracing import REQUEST_ID_ATTRIBUTE
 from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
@@ -73,6 +75,7 @@ class ComputeInstanceServicer(cgrpc.ComputeInstanceServicer):
             check_prompt_size(prompt, engine.model_config.max_position_embeddings)
             prompt = await encode_off_loop(engine.tokenizer, prompt)
         rid = request.request_id or f"cmpl-{uuid.uuid4().hex}"
+        trace.get_current_span().set_attribute(REQUEST_ID_ATTRIBUTE, rid)
         aio_loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
 

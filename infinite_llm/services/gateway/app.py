@@ -16,11 +16,13 @@ from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from infinite_llm.client.errors import Cancelled
 from infinite_llm.core.errors import InfiniteLLMError, Unavailable
 from infinite_llm.observability.metrics import LATENCY_BUCKETS
+from infinite_llm.observability.tracing import REQUEST_ID_ATTRIBUTE
 from infinite_llm.services.gateway import handlers
 from infinite_llm.services.gateway.backend import RouterBackend, ServedModel
 from infinite_llm.services.gateway.errors import (
@@ -145,6 +147,9 @@ async def _generate(
     chat = isinstance(body, ChatCompletionRequest)
     prefix = "chatcmpl" if chat else "cmpl"
     plan = await handlers.plan(backend, body, prefix, special_tokens_in_messages, max_choices)
+    # the reply's x-request-id header (install_request_id), the span's attribute and the log lines name it
+    request.state.request_id = plan.id
+    trace.get_current_span().set_attribute(REQUEST_ID_ATTRIBUTE, plan.id)
     if not body.stream:
         outs = await until_disconnect(request, handlers.run_to_end(backend, plan))
         respond = handlers.chat_response if chat else handlers.completion_response
@@ -158,7 +163,21 @@ async def _generate(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunks = handlers.chat_chunks if chat else handlers.completion_chunks
     bodies = chunks(plan, handlers.prepend(first, events), include_usage, backend.tokenizer)
-    return EventStream(handlers.sse_stream(bodies), on_close=events.aclose)
+    return EventStream(handlers.sse_stream(bodies, plan.id), on_close=events.aclose)
+
+
+def install_request_id(app: FastAPI) -> None:
+    """A generation's reply carries its id in ``x-request-id`` (the completion's ``id``; its choices' requests
+    in the mesh are ``<id>-<choice>``), whatever its status once the request was planned: what an operator
+    greps the services' logs and traces for."""
+
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):  # noqa: ANN001, ANN202
+        response = await call_next(request)
+        rid = getattr(request.state, "request_id", None)
+        if rid is not None:
+            response.headers["x-request-id"] = rid
+        return response
 
 
 def install_metrics(app: FastAPI) -> None:
@@ -211,6 +230,7 @@ def create_app(
 
     app = FastAPI(title="Infinite-LLM OpenAI-compatible gateway", lifespan=lifespan)
     install_error_handlers(app)
+    install_request_id(app)
     install_api_key_check(app, api_key)
     install_metrics(app)  # outside the key check: its 401s are counted too
     started = int(time.time())

@@ -55,7 +55,9 @@ def error_response(status: int, body: ErrorResponse) -> JSONResponse:
 
 async def _typed(request: Request, e: InfiniteLLMError) -> JSONResponse:
     if e.http_status >= 500:
-        log.warning("%s %s -> %d: %s", request.method, request.url.path, e.http_status, e.message)
+        rid = getattr(request.state, "request_id", None)
+        of = f" (request {rid})" if rid else ""
+        log.warning("%s %s%s -> %d: %s", request.method, request.url.path, of, e.http_status, e.message)
     return error_response(e.http_status, error_body(e))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,6 +40,8 @@ from infinite_llm.services.gateway.protocol import (
 from infinite_llm.services.prompt_limits import check_text_length, encode_off_loop
 
 Events = AsyncIterator[tuple[int, CompletionChunk]]  # (choice index, chunk)
+
+log = logging.getLogger(__name__)
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------
@@ -257,12 +260,14 @@ def sse(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-async def sse_stream(bodies: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-    """``data: {...}`` per body, an error event if the stream fails midway, then ``data: [DONE]``."""
+async def sse_stream(bodies: AsyncIterator[BaseModel], request_id: str = "") -> AsyncIterator[str]:
+    """``data: {...}`` per body, an error event if the stream fails midway (logged with ``request_id``: its
+    HTTP status was 200 already), then ``data: [DONE]``."""
     try:
         async for body in bodies:
             yield sse(body)
     except InfiniteLLMError as e:
+        log.warning("request %s failed mid-stream: %s: %s", request_id, type(e).__name__, e.message)
         yield sse(error_body(e))
     yield "data: [DONE]\n\n"
 

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from infinite_llm.core.errors import (
@@ -35,6 +36,7 @@ from infinite_llm.core.errors import (
 )
 from infinite_llm.core.ids import check_id
 from infinite_llm.observability.metrics import RouterMetrics
+from infinite_llm.observability.tracing import REQUEST_ID_ATTRIBUTE
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.pb.v1 import router_pb2 as rpb
@@ -157,6 +159,7 @@ class RouterServicer(rgrpc.RouterServicer):
     ) -> AsyncIterator[gpb.GenerateResponse]:
         request = self._validate(request)
         rid = request.request_id
+        trace.get_current_span().set_attribute(REQUEST_ID_ATTRIBUTE, rid)
         if rid in self._owner:
             raise InvalidRequest(f"request id {rid[:64]!r} is already in flight", param="request_id")
         remaining = context.time_remaining()
