@@ -96,6 +96,7 @@ def test_a_crashed_etcd_is_started_again_on_its_port_with_its_data(mesh):
     assert mesh.restart_crashed() == []
     old = mesh.etcd
     old.process.kill()
+    old.process.wait()  # SIGKILL is delivered, not yet done: as up's supervision, which polls every second
     (restarted,) = mesh.restart_crashed(max_restarts=1)
     try:
         assert (restarted.role, restarted.name, restarted.address) == ("etcd", "etcd", f"127.0.0.1:{old.client_port}")
@@ -104,6 +105,7 @@ def test_a_crashed_etcd_is_started_again_on_its_port_with_its_data(mesh):
         (kv,) = _etcd_http(mesh.etcd, "range", {"key": key})["kvs"]
         assert base64.b64decode(kv["value"]) == b"kept"
         mesh.etcd.process.kill()
+        mesh.etcd.process.wait()
         with pytest.raises(Unavailable, match="etcd exited 2 times"):
             mesh.restart_crashed(max_restarts=1)
     finally:

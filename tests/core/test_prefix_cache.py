@@ -71,6 +71,9 @@ def test_a_hit_shares_the_blocks_by_reference_across_holders_and_counts_tokens()
     assert kv.match_prefix("b", tokens + [99]) == 8
     assert kv.block_table("b") == table_a[:2]
     assert [holders[r.holder].pool.ref_count(r.block_id) for r in table_a[:2]] == [2, 2]
+    # a lookup counts once its sequence is admitted (its first allocation), not at each try
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10, 0)
+    assert kv.try_allocate("b", 1)
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 11, 8)
     kv.free("a")
     kv.free("b")
