@@ -63,8 +63,8 @@ def test_a_named_call_cut_by_max_tokens_is_a_call_with_its_arguments_so_far(oai)
             chunks = list(oai.chat.completions.create(**kwargs, max_tokens=4, stream=True))
             calls = [c for chunk in chunks for ch in chunk.choices for c in ch.delta.tool_calls or []]
             reasons = [ch.finish_reason for chunk in chunks for ch in chunk.choices if ch.finish_reason]
-            assert [c.function.name for c in calls] == ["get_weather"]
-            arguments, reason = calls[0].function.arguments, reasons[-1]
+            assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
+            arguments, reason = "".join(c.function.arguments or "" for c in calls), reasons[-1]
         else:
             choice = oai.chat.completions.create(**kwargs, max_tokens=4).choices[0]
             assert choice.message.content is None
@@ -105,11 +105,18 @@ def test_streamed_tool_calls_arrive_as_openai_deltas(oai):
         )
     )
     deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    (delta,) = deltas
-    (call,) = delta.tool_calls
-    assert call.index == 0 and call.id.startswith("call_") and call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    head, *pieces = [call for d in deltas for call in d.tool_calls]
+    # as OpenAI streams a call: its id, type and name first, then its arguments piece by piece
+    assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert len(pieces) > 1 and all(p.index == 0 and p.id is None and p.function.name is None for p in pieces)
+    arguments = "".join(p.function.arguments for p in pieces)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    whole = oai.chat.completions.create(
+        model="", messages=ASK, tools=[WEATHER], tool_choice=NAMED, temperature=0, max_tokens=MAX_TOKENS
+    )
+    assert whole.choices[0].message.tool_calls[0].function.arguments == arguments
 
 
 def test_auto_is_a_400_for_a_model_without_a_tool_format_and_none_answers_in_text(oai):

@@ -303,7 +303,9 @@ async def chat_chunks(
     tokenizer,  # noqa: ANN001
 ) -> AsyncIterator[BaseModel]:
     """Per choice: a first delta with the role, content deltas (with their tokens' logprobs when asked),
-    then an empty delta with the finish reason."""
+    then an empty delta with the finish reason. A named function's call streams as OpenAI's do: a delta
+    with its id and name, then its ``arguments`` piece by piece (the grammar makes the whole answer the
+    arguments); ``required`` and ``auto`` answers are parsed whole, their calls in one delta at the end."""
     created, completion_tokens = int(time.time()), {}  # choice -> its tokens so far
 
     def chunk_of(choice: ChatStreamChoice) -> ChatCompletionChunk:
@@ -312,21 +314,31 @@ async def chat_chunks(
         return ChatCompletionChunk(id=p.id, created=created, model=p.model, choices=[choice], usage=usage)
 
     calling = p.tools is not None and p.tools.calls_tools
-    held: dict[int, str] = {}  # tool-calling answers are parsed whole: their text is held until the end
+    named = calling and p.tools.mode == "named"  # type: ignore[union-attr]
+    held: dict[int, str] = {}  # other tool-calling answers are parsed whole: their text is held until the end
     async for i, chunk in events:
         if i not in completion_tokens:
             completion_tokens[i] = 0
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")))
+            if named:
+                head = {"index": 0, **tools.tool_call(p.tools.name, "")}  # type: ignore[union-attr]
+                yield chunk_of(ChatStreamChoice(index=i, delta=Delta(tool_calls=[head])))
         completion_tokens[i] += len(chunk.token_ids)
         lps = logprobs.chat_logprobs(tokenizer, chunk.logprobs) if p.logprobs and chunk.token_ids else None
-        if calling:
+        if named:
+            if chunk.text or lps is not None:
+                piece = [{"index": 0, "function": {"arguments": chunk.text}}]
+                yield chunk_of(ChatStreamChoice(index=i, delta=Delta(tool_calls=piece), logprobs=lps))
+        elif calling:
             held[i] = held.get(i, "") + chunk.text
         elif chunk.text or lps is not None:
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=chunk.text), logprobs=lps))
         if not chunk.finish_reason:
             continue
         reason = params.finish_reason(chunk.finish_reason)
-        if calling:
+        if named:  # a call the grammar completed, or cut by max_tokens ("length")
+            reason = "tool_calls" if reason == "stop" else reason
+        elif calling:
             message, reason = chat_message(p, held.pop(i, ""), chunk.finish_reason)
             calls = [{"index": n, **c} for n, c in enumerate(message.tool_calls or [])]
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=message.content, tool_calls=calls or None)))

@@ -156,7 +156,7 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     as OpenAI and vLLM return a named call cut by ``length``.
     """
     if plan.mode == "named":
-        return None, [_call(plan.name, text)]
+        return None, [tool_call(plan.name, text)]
     if plan.mode == "required":
         return _required_calls(text)
     if plan.mode == "auto":
@@ -164,7 +164,7 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
         for found in HERMES_CALL.findall(text):
             try:
                 call = json.loads(found)
-                calls.append(_call(call["name"], json.dumps(call.get("arguments", {}))))
+                calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}))))
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue
         content = HERMES_CALL.sub("", text).strip() if calls else text
@@ -184,7 +184,7 @@ def _required_calls(text: str) -> tuple[str | None, list[dict]]:
     except json.JSONDecodeError:
         items = None
     if isinstance(items, list):
-        return None, [_call(i["name"], json.dumps(i["parameters"])) for i in items]
+        return None, [tool_call(i["name"], json.dumps(i["parameters"])) for i in items]
     start = text.find("[")
     if start < 0 or text[:start].strip():
         return text, []
@@ -194,17 +194,18 @@ def _required_calls(text: str) -> tuple[str | None, list[dict]]:
             at += 1
         try:
             item, at = decoder.raw_decode(text, at)
-            calls.append(_call(item["name"], json.dumps(item["parameters"])))
+            calls.append(tool_call(item["name"], json.dumps(item["parameters"])))
             continue
         except (json.JSONDecodeError, KeyError, TypeError):
             head = _ITEM_HEAD.match(text, at)
             if head is not None:
-                calls.append(_call(json.loads(f'"{head.group(1)}"'), text[head.end() :]))
+                calls.append(tool_call(json.loads(f'"{head.group(1)}"'), text[head.end() :]))
             break
     return (None, calls) if calls else (text, [])
 
 
-def _call(name: str, arguments: str) -> dict:
+def tool_call(name: str, arguments: str) -> dict:
+    """A call in OpenAI's shape, with a new id (``call_`` and 24 hex digits)."""
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
