@@ -35,7 +35,7 @@ from infinite_llm.cli_options import (
 from infinite_llm.cli_tls import HealthPort, Insecure, TlsDir, setup_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import InvalidRequest
-from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
+from infinite_llm.rpc.options import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run one service of the mesh.")
 
@@ -56,6 +56,15 @@ def serve_attention(
     transport: Transport = "grpc",
     node_name: NodeName = "",
     shutdown_grace: ShutdownGrace = SHUTDOWN_GRACE_S,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            help="After SIGTERM, seconds to wait for the manager to migrate this server's rBlocks to others "
+            "before --shutdown-grace begins (0 = stop at once; a second signal cuts it short). The pod's "
+            "terminationGracePeriodSeconds must cover both.",
+            min=0,
+        ),
+    ] = DRAIN_TIMEOUT_S,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
     health_port: HealthPort = 0,
@@ -79,6 +88,7 @@ def serve_attention(
         metrics_port=metrics_port,
         node_name=split_ids([node_name], "--node-name")[0] if node_name else "",
         grace_s=shutdown_grace,
+        drain_timeout_s=drain_timeout,
     )
     setup_tls("attention", tls_dir, insecure, health_port)
     sys.exit(main(config))

@@ -30,6 +30,9 @@ DEFAULT_GRACE_S = 5.0  # server.stop(grace): in-flight calls get this long to fi
 # After SIGTERM a service process refuses new calls (health NOT_SERVING) and gives those in flight this long
 # to finish (seconds): the pods' terminationGracePeriodSeconds. ``serve ... --shutdown-grace``.
 SHUTDOWN_GRACE_S = 30.0
+# Before that, an attention server holding rBlocks waits up to this long for the manager to migrate them to
+# other servers (seconds; ``serve attention --drain-timeout``, services/attention/server.py).
+DRAIN_TIMEOUT_S = 60.0
 
 Options = list[tuple[str, int | str]]
 

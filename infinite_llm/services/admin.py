@@ -25,15 +25,16 @@ def cluster_state(manager_address: str, timeout_s: float = 5.0, tls: TlsArg = FR
 
 
 def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
-    """Servers (rBlocks used / free / capacity, cached prefix rBlocks, sequences), compute instances (homes,
-    batch, queue, tokens held, debt) and every sequence's rBlocks per server."""
+    """Servers (rBlocks used / free / capacity, cached prefix rBlocks, sequences; a server being drained reads
+    ``<id> (draining)``), compute instances (homes, batch, queue, tokens held, debt) and every sequence's rBlocks
+    per server."""
     servers = Table(title="attention servers")
     for col in ("server", "address", "node", "used", "free", "capacity", "KV used", "cached", "sequences"):
         servers.add_column(col, justify="left" if col in ("server", "address", "node") else "right")
     for s in state.servers:
         pct = 100.0 * s.used_blocks / s.capacity_blocks if s.capacity_blocks else 0.0
         servers.add_row(
-            s.server_id,
+            f"{s.server_id} (draining)" if s.draining else s.server_id,
             s.address,
             s.node_name or "-",
             str(s.used_blocks),

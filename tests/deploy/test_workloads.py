@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from kubernetes.utils import parse_quantity
 
-from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
+from infinite_llm.rpc.options import DRAIN_TIMEOUT_S, SHUTDOWN_GRACE_S
 
 from .conftest import RENDERS
 from .manifests import (
@@ -41,10 +41,10 @@ IMAGE = {
     "gpu+attention-host-memory": "infinite-llm:0.1.0-cuda",
 }
 # Seconds a service takes to stop after SIGTERM: its own drain (--shutdown-grace: gRPC's grace, or uvicorn's
-# for the gateway).
+# for the gateway); an attention server first waits for its rBlocks to migrate away (--drain-timeout).
 DRAIN_S = {
     "manager": SHUTDOWN_GRACE_S,
-    "attention-server": SHUTDOWN_GRACE_S,
+    "attention-server": DRAIN_TIMEOUT_S + SHUTDOWN_GRACE_S,
     "compute": SHUTDOWN_GRACE_S,
     "router": SHUTDOWN_GRACE_S,
     "gateway": SHUTDOWN_GRACE_S,

@@ -13,6 +13,7 @@ import pytest
 from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.mesh import LocalMesh
+from infinite_llm.services.admin import cluster_state
 from tests.e2e.conftest import (
     BLOCKS_PER_SERVER,
     BYTES_PER_BLOCK,
@@ -117,3 +118,51 @@ def _compute_stats(mesh: LocalMesh) -> tuple[int, int]:
     (compute,) = mesh.compute_instances()
     stats = compute_stats(compute.address)
     return stats.prefix_cache_hits, stats.num_preemptions
+
+
+def test_a_stopping_attention_server_drains_while_its_sequence_decodes(home_mesh, make_engine):
+    """SIGTERM to an attention server that holds a decoding sequence's rBlocks (a rolling update, a node
+    drain): it tells the manager, whose planner migrates them to the other servers while the sequence keeps
+    decoding; the server exits 0 once empty, before the sequence ends. The greedy output equals the in-process
+    engine's, no step is recomputed (the module's conftest checks step_recoveries_total), nothing stays held.
+    Last in this module: the mesh has one lender fewer after it."""
+    mesh = home_mesh
+    local = make_engine(num_kv_blocks=512)
+    prompt = local.tokenizer.encode(TEXT)[300:450]  # 10 rBlocks: 8 fill compute-0's home, the rest spill
+    manager = next(p for p in mesh.procs if p.role == "manager")
+    before = value(scrape(manager.metrics_address), "infinite_llm:migrations_total")
+    params = dict(temperature=0, ignore_eos=True)
+    started = threading.Event()
+
+    def stream() -> list[int]:
+        out = []
+        for chunk in client.stream(prompt, max_tokens=100, **params):
+            out += chunk.token_ids
+            started.set()
+        return out
+
+    with Client(mesh.router_address) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(stream)
+        assert started.wait(timeout=120), "the sequence never started decoding"
+        assert wait_until(lambda: _lender_holding(mesh) is not None, timeout_s=30), "nothing spilled off the home"
+        server = next(p for p in mesh.attention_servers() if p.name == _lender_holding(mesh))
+        server.popen.terminate()
+        exit_code = server.popen.wait(timeout=60)
+        assert not decoding.done(), "the sequence ended first: its release, not a migration, emptied the server"
+        out = decoding.result(timeout=600)
+    assert exit_code == 0
+    assert "drained in" in server.log_path.read_text()
+    assert out == local.generate([prompt], SamplingParams(max_tokens=100, **params))[0].token_ids
+    moved = value(scrape(manager.metrics_address), "infinite_llm:migrations_total") - before
+    assert moved >= 1, f"no migration happened (logs: {mesh.log_dir})"
+    assert wait_until(lambda: all_blocks_free(mesh), timeout_s=20)
+
+
+def _lender_holding(mesh: LocalMesh) -> str | None:
+    """The server other than compute-0's home (attn-0) that holds the most rBlocks of any sequence, if any."""
+    held: dict[str, int] = {}
+    for entry in cluster_state(mesh.manager_address).ledger:
+        for share in entry.shares:
+            if share.server_id != "attn-0" and share.num_blocks > 0:
+                held[share.server_id] = held.get(share.server_id, 0) + share.num_blocks
+    return max(held, key=held.get) if held else None

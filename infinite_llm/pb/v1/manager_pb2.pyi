@@ -29,7 +29,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "free_blocks", "used_blocks", "num_sequences", "sequences", "reserved", "reports_sequences")
+    __slots__ = ("server_id", "free_blocks", "used_blocks", "num_sequences", "sequences", "reserved", "reports_sequences", "draining")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class HeartbeatRequest(_message.Message):
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     REPORTS_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     free_blocks: int
     used_blocks: int
@@ -44,7 +45,8 @@ class HeartbeatRequest(_message.Message):
     sequences: _containers.RepeatedCompositeFieldContainer[SeqBlocks]
     reserved: _containers.RepeatedCompositeFieldContainer[SeqBlocks]
     reports_sequences: bool
-    def __init__(self, server_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reserved: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reports_sequences: _Optional[bool] = ...) -> None: ...
+    draining: bool
+    def __init__(self, server_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reserved: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reports_sequences: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SeqBlocks(_message.Message):
     __slots__ = ("seq_id", "num_blocks")
@@ -149,7 +151,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerState(_message.Message):
-    __slots__ = ("server_id", "address", "capacity_blocks", "free_blocks", "used_blocks", "num_sequences", "block_size", "node_name", "cached_blocks")
+    __slots__ = ("server_id", "address", "capacity_blocks", "free_blocks", "used_blocks", "num_sequences", "block_size", "node_name", "cached_blocks", "draining")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +161,7 @@ class ServerState(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     address: str
     capacity_blocks: int
@@ -168,7 +171,8 @@ class ServerState(_message.Message):
     block_size: int
     node_name: str
     cached_blocks: int
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., node_name: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., node_name: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
     __slots__ = ("seq_id", "shares", "instance_id")

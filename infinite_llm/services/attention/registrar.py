@@ -44,12 +44,23 @@ class Registrar:
         self._stats, self._occupancy = stats, occupancy
         self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat, on_stalled)
         self.registered = self._keeper.registered
+        self.draining = False  # sent with every heartbeat from :meth:`announce_draining` on
 
     def start(self) -> None:
         self._keeper.start()
 
     async def stop(self) -> None:
         await self._keeper.stop()
+
+    async def announce_draining(self) -> None:
+        """Tell the manager now that this server is stopping (a heartbeat with ``draining``; every later one
+        says so too): it places nothing new here and migrates what is here away.
+
+        Raises:
+            grpc.RpcError: the manager did not take it (unreachable, or the lease already lapsed).
+        """
+        self.draining = True
+        await self._heartbeat()
 
     async def _register(self) -> float:
         s = self._stats()
@@ -75,7 +86,11 @@ class Registrar:
     async def _heartbeat(self) -> None:
         s = self._stats()
         request = mpb.HeartbeatRequest(
-            server_id=self.server_id, free_blocks=s.num_free, used_blocks=s.num_used, num_sequences=s.num_sequences
+            server_id=self.server_id,
+            free_blocks=s.num_free,
+            used_blocks=s.num_used,
+            num_sequences=s.num_sequences,
+            draining=self.draining,
         )
         if self._occupancy is not None:
             committed, reserved = self._occupancy()

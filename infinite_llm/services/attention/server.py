@@ -1,7 +1,15 @@
-"""Attention server process: config, start, serve until SIGTERM/SIGINT, graceful stop.
+"""Attention server process: config, start, serve until SIGTERM/SIGINT, drain, graceful stop.
 
 ``infinite-llm serve attention --kv-memory 64MiB ...`` builds an :class:`AttentionServerConfig` (sizes via
 ``rpc.sizes.parse_size``) and calls :func:`main`. Tests and in-process meshes use :func:`start`.
+
+Stopping (SIGTERM: a rolling update, a node drain, ``kubectl delete pod``) a server that holds rBlocks first
+drains it (:func:`drain`): it tells the manager in a heartbeat, which places nothing new here and migrates
+the running sequences' rBlocks to other servers while they decode (the planner's drain moves, as when the
+autoscaler scales the pool down; PAPER.md "Managers", DESIGN.md §5). The server keeps serving their attention
+and the copies until it is empty, ``drain_timeout_s`` passed, nothing left it for ``DRAIN_IDLE_S`` (the
+manager has nowhere to move the rest), or a second signal; whatever is still here then is recomputed by its
+compute instance, as after a crash. Only then does the gRPC server stop.
 """
 
 from __future__ import annotations
@@ -9,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -20,17 +30,20 @@ from infinite_llm.observability.metrics import AttentionMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import attention_server_pb2, attention_server_pb2_grpc
 from infinite_llm.rpc import codec
-from infinite_llm.rpc.options import DEFAULT_GRACE_S
+from infinite_llm.rpc.options import DEFAULT_GRACE_S, DRAIN_TIMEOUT_S
 from infinite_llm.rpc.server import RpcServer, Service, start_server
 from infinite_llm.rpc.sizes import format_size
 from infinite_llm.services.attention.registrar import Registrar
 from infinite_llm.services.attention.served_rmanager import ServedRManager
 from infinite_llm.services.attention.servicer import AttentionServicer
 from infinite_llm.services.attention.tensor_channels import TensorChannels
+from infinite_llm.services.attention.types import HolderStats
 
 log = logging.getLogger(__name__)
 KV_DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("grpc", "torch")
+DRAIN_IDLE_S = 20.0  # a drain gives up when no rBlock left for this long (the manager has nowhere to move the rest)
+DRAIN_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class AttentionServerConfig:
     advertise_host: str = ""  # host others reach this server at (default: host)
     transport: str = "grpc"  # "torch" also accepts torch.distributed tensor channels (OpenTensorChannel)
     node_name: str = ""  # the machine it runs on: a home of the compute instances registered with that node
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # after SIGTERM: how long to wait for a drain (0: stop at once)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -70,6 +84,8 @@ class AttentionServerConfig:
             raise ValueError(f"AttentionServerConfig.port must be in [0, 65536), got {self.port}")
         if not self.server_id:
             raise ValueError("AttentionServerConfig.server_id must not be empty")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"AttentionServerConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"AttentionServerConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         per_block = self.layout.bytes_per_block
@@ -151,12 +167,18 @@ async def start(config: AttentionServerConfig) -> AttentionServer:
 
 
 async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set or the process gets SIGTERM/SIGINT, then stop gracefully."""
+    """Serve until ``stop`` is set or the process gets SIGTERM/SIGINT, then drain (registered servers that
+    hold rBlocks; a second signal cuts it short) and stop gracefully."""
     stop = stop or asyncio.Event()
+    now = asyncio.Event()  # a second signal: stop without waiting for the drain
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (now if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (tests): rely on ``stop``
     setup_tracing("attention")
@@ -181,10 +203,66 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
         registrar.start()
     try:
         await stop.wait()
+        if registrar is not None and config.drain_timeout_s > 0:
+            await drain(server.servicer.holder.stats, registrar, config.drain_timeout_s, now)
     finally:
         if registrar is not None:
             await registrar.stop()
         await server.stop()
+
+
+async def drain(
+    stats: Callable[[], HolderStats],
+    registrar: Registrar,
+    timeout_s: float,
+    now: asyncio.Event | None = None,
+    idle_s: float = DRAIN_IDLE_S,
+) -> int:
+    """Empty this server before it stops: announce the drain to the manager, then wait until it holds no
+    rBlock (committed or reserved), ``timeout_s`` seconds passed, none left for ``idle_s`` seconds, or ``now``
+    is set. Returns the rBlocks still held (0: drained). Never raises for the manager: one that cannot be told
+    ends the drain at once (its compute instances recompute what is here)."""
+    held = _held(stats())
+    if held == 0:
+        return 0
+    try:
+        await registrar.announce_draining()
+    except grpc.RpcError as e:
+        log.warning("stopping without a drain: the manager was not told (%s); %d rBlocks here are lost", _why(e), held)
+        return held
+    log.info("draining: %d rBlocks here; the manager migrates them away (up to %.0f s)", held, timeout_s)
+    loop = asyncio.get_running_loop()
+    start = last_progress = loop.time()
+    now = now or asyncio.Event()
+    while held and not now.is_set():
+        if loop.time() - start >= timeout_s or loop.time() - last_progress >= idle_s:
+            break
+        try:
+            await asyncio.wait_for(now.wait(), DRAIN_POLL_S)
+        except TimeoutError:
+            pass
+        left = _held(stats())
+        if left < held:
+            last_progress = loop.time()
+        held = left
+    waited = loop.time() - start
+    if held == 0:
+        log.info("drained in %.1f s", waited)
+    else:
+        why = "a second signal" if now.is_set() else f"{loop.time() - last_progress:.0f} s without a move"
+        if loop.time() - start >= timeout_s:
+            why = f"the drain timeout ({timeout_s:.0f} s)"
+        log.warning("stopping after %.1f s of drain (%s): %d rBlocks still here are recomputed", waited, why, held)
+    return held
+
+
+def _held(s: HolderStats) -> int:
+    return s.num_used + s.num_reserved
+
+
+def _why(e: grpc.RpcError) -> str:
+    code = e.code()
+    return f"{code.name if code else 'error'}: {e.details()}"
 
 
 def main(config: AttentionServerConfig) -> int:

@@ -33,6 +33,7 @@ from infinite_llm.services.manager.computes import (
     check_address,
     debts,
 )
+from infinite_llm.services.manager.drain import DrainGuard
 from infinite_llm.services.manager.keyed_locks import KeyedLocks
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.ledger import Ledger, LedgerRecord
@@ -96,7 +97,10 @@ class GlobalManager:
 
     def __init__(self, store: EtcdStore, servers: BlockServers, config: ManagerConfig) -> None:
         self.config = config
-        self._servers = servers
+        # Every manager can drain a server (one stopping on its own, or the autoscaler's): its BlockServers
+        # are always seen through a DrainGuard.
+        self.drains = servers if isinstance(servers, DrainGuard) else DrainGuard(servers)
+        self._servers: BlockServers = self.drains
         self.view = CapacityView()
         self.leadership = Leadership(store, config.manager_id, config.leader_ttl_s)
         self.ledger = Ledger(store, self.leadership, config.max_txn_attempts)
@@ -105,11 +109,11 @@ class GlobalManager:
             store, self.leadership, self.view, lambda s: self._placed.get(s, 0), lambda s: self.prefix.server_gone(s)
         )
         self.computes = ComputeInstances(store, self.leadership)
-        self.migrations = Migrations(servers, self.ledger, self.view, self.address_of, config.max_txn_attempts)
+        self.migrations = Migrations(self.drains, self.ledger, self.view, self.address_of, config.max_txn_attempts)
         self.rebalancer = Rebalancer(self)
         self._placing = KeyedLocks()  # one Place of a sequence at a time (a retry waits for the first)
         self.prefix = PrefixCaching(self, store)  # the cluster's prefix cache (MatchPrefix / PublishPrefix)
-        servers.on_uncached = self.prefix.note_uncached  # evicted cached rBlocks leave the index
+        self.drains.on_uncached = self.prefix.note_uncached  # evicted cached rBlocks leave the index
         self.migrations.prefix_index = self.prefix.index  # moved shared rBlocks: the index follows them
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -211,16 +215,23 @@ class GlobalManager:
                 "register again when that registration's lease ends",
                 param="server_id",
             )
-        return await self.membership.register(info, ttl_s or self.config.member_ttl_s)
+        registration = await self.membership.register(info, ttl_s or self.config.member_ttl_s)
+        if self.drains.announce(server_id, False):  # a server (re)started under this id is not stopping
+            log.info("attention server %s registered again: no longer draining", server_id)
+        return registration
 
-    async def heartbeat(self, server_id: str, free_blocks: int, load: float = 0.0) -> int:
+    async def heartbeat(self, server_id: str, free_blocks: int, load: float = 0.0, draining: bool = False) -> int:
         """Keep the member alive and record its free rBlocks and load; returns the lease TTL in seconds.
+        ``draining``: the server is stopping; placement skips it and the planner migrates its rBlocks away
+        until a heartbeat without it (:class:`~.drain.DrainGuard`).
 
         Raises:
             NotFound: the member is unknown or expired (it must register again).
         """
         ttl = await self.membership.keep_alive(server_id)
         self.view.heartbeat(server_id, free_blocks, load)
+        if self.drains.announce(server_id, draining):
+            log.info("attention server %s %s", server_id, "is stopping: draining it" if draining else "is not draining")
         return ttl
 
     async def deregister(self, server_id: str) -> None:

@@ -1,11 +1,12 @@
 """The planner in the leading manager: build its :class:`~.planner.ClusterView`, run it, start the moves.
 
 :class:`Rebalancer` turns the manager's state (live attention servers and their free rBlocks from the
-capacity view, draining servers from the autoscaler's drain guard, compute instances with their homes,
-loads and fitted step costs, the ledger's sequences and owners) into the planner's pure input, and starts
-each planned move through :class:`~.migrations.Migrations`. Only sequences whose owner is a live compute
-instance move (the owner flips its block table); one migration per sequence at a time, and none for a
-while after one that moved nothing (``Migrations.backing_off``: the sequence was preempted or finished).
+capacity view, draining servers from the manager's drain guard (scaled down, or stopping on their own),
+compute instances with their homes, loads and fitted step costs, the ledger's sequences and owners) into
+the planner's pure input, and starts each planned move through :class:`~.migrations.Migrations`. Only
+sequences whose owner is a live compute instance move (the owner flips its block table); one migration per
+sequence at a time, and none for a while after one that moved nothing (``Migrations.backing_off``: the
+sequence was preempted or finished).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Rebalancer:
             )
 
     def draining(self) -> frozenset[str]:
-        return frozenset(getattr(self.manager.block_servers, "draining", frozenset()))
+        return self.manager.drains.draining
 
     async def cluster_view(self) -> ClusterView:
         """The planner's input, read now (the ledger from etcd, the rest from memory). Migrations in flight

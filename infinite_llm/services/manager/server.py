@@ -17,7 +17,7 @@ from infinite_llm.rpc.certs import ETCD_CLIENT
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsConfig, load_tls_dir, resolve
-from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, DrainGuard, KubernetesScaler
+from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, KubernetesScaler
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
 from infinite_llm.services.manager.manager import GlobalManager, ManagerConfig
 from infinite_llm.services.manager.rebalance import PLAN_INTERVAL_S
@@ -88,10 +88,9 @@ async def serve(config: ManagerServerConfig) -> None:
     await store.connect()
     holder: list[GlobalManagerServicer] = []
     servers = GrpcBlockServers(lambda sid: holder[0].address_of(sid))
-    guard = DrainGuard(servers) if scale is not None else None
     manager = GlobalManager(
         store,
-        guard or servers,
+        servers,
         ManagerConfig(
             config.manager_id,
             block_size=config.block_size,
@@ -103,7 +102,7 @@ async def serve(config: ManagerServerConfig) -> None:
     await manager.start(acquire_timeout_s=config.acquire_timeout_s)
     registry = CollectorRegistry()
     reconciler = Reconciler(
-        manager, guard or servers, interval_s=max(config.member_ttl_s / 4, 0.5), settle_s=config.member_ttl_s
+        manager, manager.drains, interval_s=max(config.member_ttl_s / 4, 0.5), settle_s=config.member_ttl_s
     )
     servicer = GlobalManagerServicer(manager, ManagerMetrics(registry), reconciler.reports)
     serve_metrics(registry, config.metrics_port, config.host)
@@ -115,7 +114,7 @@ async def serve(config: ManagerServerConfig) -> None:
     log.info("global manager %s leading, listening on %s:%d", config.manager_id, config.host, server.port)
     autoscaler = None
     if scale is not None:
-        autoscaler = Autoscaler(manager, guard, scaler, scale)
+        autoscaler = Autoscaler(manager, manager.drains, scaler, scale)
         autoscaler.start()
         log.info(
             "scaling StatefulSet %s between %d and %d attention servers",

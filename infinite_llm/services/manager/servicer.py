@@ -62,7 +62,9 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
 
     async def Heartbeat(self, request: mpb.HeartbeatRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         self._check_registrant(request.server_id, context)
-        await self.manager.heartbeat(request.server_id, request.free_blocks, float(request.num_sequences))
+        await self.manager.heartbeat(
+            request.server_id, request.free_blocks, float(request.num_sequences), draining=request.draining
+        )
         if self.reports is not None and request.reports_sequences:
             held = ServerReport(
                 {s.seq_id: s.num_blocks for s in request.sequences}, {s.seq_id: s.num_blocks for s in request.reserved}
@@ -131,6 +133,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
     async def GetClusterState(self, request, context) -> mpb.ClusterStateResponse:  # noqa: N802, ANN001
         state = await self.manager.cluster_state()
         cached = self.manager.prefix.blocks_per_server()
+        draining = self.manager.drains.draining
         reply = mpb.ClusterStateResponse()
         for m in state.members:
             reply.servers.add(
@@ -143,6 +146,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 block_size=m.info.block_size,
                 node_name=m.info.node_name,
                 cached_blocks=cached.get(m.info.server_id, 0),
+                draining=m.info.server_id in draining,
             )
         for seq_id, entries in sorted(state.ledger.items()):
             reply.ledger.add(

@@ -12,8 +12,8 @@ import pytest
 from infinite_llm.core.errors import CapacityExhausted
 from infinite_llm.services.manager import GlobalManager, ManagerConfig
 from infinite_llm.services.manager import migrations as migrations_module
-from infinite_llm.services.manager.autoscale import DrainGuard
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad
+from infinite_llm.services.manager.drain import DrainGuard
 from infinite_llm.services.manager.migrations import MigrationResult
 from infinite_llm.services.manager.planner import Move, plan
 

@@ -327,7 +327,7 @@ async def _r_moves_what_it_shares_with_w(m, n: int):  # noqa: ANN001, ANN202
     order = await m.migrations.start(Move("r", "a", "c", n, "lend"), "c0")
     for k, rid in enumerate(order.reservation_ids):
         await m.block_servers.commit("c", rid, [k])
-    rm_a, rm_c = m.block_servers.rmanagers["a"], m.block_servers.rmanagers["c"]
+    rm_a, rm_c = m.drains.servers.rmanagers["a"], m.drains.servers.rmanagers["c"]
     rm_c.cache_blocks("r", [(k, H[k]) for k in range(n)])
     rm_a.free_blocks("r", list(range(n)))
     return MigrationResult(order.migration_id, "r", "a", "c", n, n, cached_hashes=tuple(H[:n]))
@@ -356,7 +356,7 @@ def test_a_reader_whose_copy_was_evicted_on_the_destination_stays_on_the_source(
 def test_no_reader_is_reattached_onto_a_draining_server(etcd_server, etcd_prefix):
     """Behind the autoscaler's DrainGuard: the move's destination began draining before the move settled, so
     the other reader is not attached there (it would have to leave again) and keeps reading the source."""
-    from infinite_llm.services.manager.autoscale import DrainGuard
+    from infinite_llm.services.manager.drain import DrainGuard
 
     async def scenario():
         local = make_servers({"a": 8, "c": 8})

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from infinite_llm.services.manager.autoscale.drain import DrainGuard
 from infinite_llm.services.manager.autoscale.k8s_client import StatefulSetScaler
 from infinite_llm.services.manager.autoscale.policy import (
     Action,
@@ -27,6 +26,7 @@ from infinite_llm.services.manager.autoscale.policy import (
     ScalingPolicy,
     ServerLoad,
 )
+from infinite_llm.services.manager.drain import DrainGuard
 from infinite_llm.services.manager.manager import GlobalManager
 from infinite_llm.services.manager.records import ClusterState, blocks_per_server
 from infinite_llm.services.periodic import PeriodicTask

@@ -1,5 +1,9 @@
 """Draining attention servers: placement stops using them, and the manager can tell when they are empty.
 
+A server drains for one of two reasons: the autoscaler is scaling the pool down (:meth:`DrainGuard.set_draining`
+names its whole set), or the server itself is stopping (SIGTERM: a rolling update, a node drain, ``kubectl
+delete pod``) and says so in its heartbeats (:meth:`DrainGuard.announce`). Either way it drains alike.
+
 :class:`DrainGuard` wraps the manager's :class:`BlockServers` (its hands on the attention servers). A
 reservation on a draining server is refused here, without a network call, with ``CapacityExhausted``, which
 placement already handles: it marks the server stale and places the share elsewhere (DESIGN.md §5). The
@@ -27,9 +31,16 @@ class DrainGuard:
 
     def __init__(self, servers: BlockServers) -> None:
         self._servers = servers
-        self._draining: frozenset[str] = frozenset()
+        self._scaled_down: frozenset[str] = frozenset()  # the autoscaler's
+        self._stopping: set[str] = set()  # servers whose latest heartbeat said they are stopping
+        self._draining: frozenset[str] = frozenset()  # the union of both
         self._in_flight: Counter[str] = Counter()
         self._open: set[tuple[str, int]] = set()  # (server_id, reservation_id) reserved, not yet settled
+
+    @property
+    def servers(self) -> BlockServers:
+        """The wrapped servers."""
+        return self._servers
 
     @property
     def on_uncached(self) -> Callable[[str, list[bytes]], None] | None:
@@ -42,11 +53,26 @@ class DrainGuard:
 
     @property
     def draining(self) -> frozenset[str]:
+        """Servers being drained: the autoscaler's set and those that announced they are stopping."""
         return self._draining
 
     def set_draining(self, server_ids: frozenset[str]) -> None:
-        """From now on refuse reservations on exactly ``server_ids``."""
-        self._draining = frozenset(server_ids)
+        """The autoscaler's drain set: from now on refuse reservations on exactly ``server_ids`` (and on the
+        servers that announced they are stopping)."""
+        self._scaled_down = frozenset(server_ids)
+        self._draining = self._scaled_down | self._stopping
+
+    def announce(self, server_id: str, stopping: bool) -> bool:
+        """A server's own word (its heartbeat's ``draining``; a registration says ``False``): drain it while it
+        is stopping. Returns True when that changed what the guard knew."""
+        if stopping == (server_id in self._stopping):
+            return False
+        if stopping:
+            self._stopping.add(server_id)
+        else:
+            self._stopping.discard(server_id)
+        self._draining = self._scaled_down | self._stopping
+        return True
 
     def in_flight(self, server_id: str) -> int:
         """Reservations on ``server_id`` that were requested and are not yet committed or cancelled."""
