@@ -203,7 +203,7 @@ def serve_manager(
         raise typer.BadParameter(e.message, param_hint="--etcd-tls-dir") from None
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--etcd") from None
-    asyncio.run(serve(config))
+    sys.exit(asyncio.run(serve(config)))  # 1: leadership lost (a fresh process campaigns)
 
 
 @serve_app.command("compute")

@@ -1,4 +1,12 @@
-"""``infinite-llm serve manager``: the global manager process (state in etcd, GlobalManager service)."""
+"""``infinite-llm serve manager``: the global manager process (state in etcd, GlobalManager service).
+
+The process serves only while it leads. A leader that loses leadership (its etcd session lease expired: the
+process was paused or cut off from etcd longer than ``leader_ttl_s``; or another manager took the key) exits
+with status 1 instead of staying up as a follower nobody routes to: its in-memory state (capacity view,
+migrations in flight, reconciliation passes) belongs to the term it lost, and a fresh process (Kubernetes'
+restart, ``up``'s supervision) campaigns and rebuilds it from etcd, as any new leader does. Kubernetes'
+leader-elected controllers do the same (client-go's ``OnStoppedLeading``).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ from infinite_llm.services.manager.servicer import GlobalManagerServicer
 from infinite_llm.state.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
+LEADERSHIP_CHECK_S = 0.5  # how often the process checks that it still leads (seconds)
+EXIT_LOST_LEADERSHIP = 1
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,9 @@ class ManagerServerConfig:
         return EtcdStore(host, int(port), prefix=self.prefix, tls=self.etcd_identity())
 
 
-async def serve(config: ManagerServerConfig) -> None:
+async def serve(config: ManagerServerConfig) -> int:
+    """Lead, serve until SIGINT/SIGTERM (returns 0) or until leadership is lost (returns
+    ``EXIT_LOST_LEADERSHIP``), then stop gracefully."""
     setup_tracing("manager")
     scale = config.autoscale
     scaler = None if scale is None else KubernetesScaler.in_cluster(scale.statefulset, scale.namespace)  # fail fast
@@ -125,11 +137,29 @@ async def serve(config: ManagerServerConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    lost = not await _until_stopped_or_not_leading(stop, manager)
+    if lost:
+        log.error(
+            "global manager %s lost leadership (its etcd session lapsed or another manager took over): exiting "
+            "so that a fresh process campaigns and reloads the cluster state from etcd",
+            config.manager_id,
+        )
     await reconciler.stop()
     await manager.rebalancer.stop()
     if autoscaler is not None:
         await autoscaler.stop()
-    await server.stop(config.shutdown_grace_s)
+    await server.stop(0 if lost else config.shutdown_grace_s)  # calls on a manager that no longer leads fail
     await manager.stop()
     await store.close()
+    return EXIT_LOST_LEADERSHIP if lost else 0
+
+
+async def _until_stopped_or_not_leading(stop: asyncio.Event, manager: GlobalManager) -> bool:
+    """Wait for ``stop`` (True) or for ``manager`` to stop leading (False)."""
+    while manager.is_leader:
+        try:
+            await asyncio.wait_for(stop.wait(), LEADERSHIP_CHECK_S)
+            return True
+        except TimeoutError:
+            pass
+    return stop.is_set()
