@@ -241,6 +241,15 @@ def serve_compute(
             envvar="INFINITE_LLM_MIGRATION_TOKENS_PER_STEP",
         ),
     ] = 16,
+    drain_tokens_per_step: Annotated[
+        int,
+        typer.Option(
+            help="KV tokens a migration off a draining attention server (stopping, or scaled down) moves between "
+            "two decode steps: a drain must finish before the server's --drain-timeout.",
+            envvar="INFINITE_LLM_DRAIN_TOKENS_PER_STEP",
+            min=1,
+        ),
+    ] = 256,
     prefix_caching: PrefixCaching = True,
     placement_lookahead_blocks: Annotated[
         int,
@@ -279,6 +288,7 @@ def serve_compute(
             node_name=node,
             advertise_host=advertise_host,
             migration_tokens_per_step=migration_tokens_per_step,
+            drain_tokens_per_step=drain_tokens_per_step,
             enable_prefix_caching=prefix_caching,
             placement_lookahead_blocks=placement_lookahead_blocks,
             shutdown_grace_s=shutdown_grace,

@@ -243,7 +243,7 @@ class HeartbeatComputeRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., reports_seq_ids: _Optional[bool] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
 
 class MigrationOrder(_message.Message):
-    __slots__ = ("migration_id", "seq_id", "src_server_id", "src_address", "dst_server_id", "dst_address", "reservation_ids", "block_indices")
+    __slots__ = ("migration_id", "seq_id", "src_server_id", "src_address", "dst_server_id", "dst_address", "reservation_ids", "block_indices", "drain")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class MigrationOrder(_message.Message):
     DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
     migration_id: int
     seq_id: str
     src_server_id: str
@@ -260,7 +261,8 @@ class MigrationOrder(_message.Message):
     dst_address: str
     reservation_ids: _containers.RepeatedScalarFieldContainer[int]
     block_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, migration_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., src_server_id: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_server_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., reservation_ids: _Optional[_Iterable[int]] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    drain: bool
+    def __init__(self, migration_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., src_server_id: _Optional[str] = ..., src_address: _Optional[str] = ..., dst_server_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., reservation_ids: _Optional[_Iterable[int]] = ..., block_indices: _Optional[_Iterable[int]] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
     __slots__ = ("migration_id", "seq_id", "src_server_id", "dst_server_id", "num_blocks", "num_moved", "bytes_moved", "error", "cached_hashes", "block_indices")

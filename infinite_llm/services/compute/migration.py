@@ -4,7 +4,8 @@ The manager orders a move (:mod:`infinite_llm.services.manager.migrations`: the 
 one reservation per rBlock, and the ledger updated); the heartbeat reply brings the order here. The copy
 overlaps the steps; only the switch happens between two of them. :meth:`MigrationExecutor.between_steps`
 (engine thread) starts, on a worker thread, the copy of at most ``tokens_per_step // block_size`` rBlocks
-(at least one; ``--migration-tokens-per-step``, default 16): one ExportBlocks of them from the source, one
+(at least one; ``--migration-tokens-per-step``, default 16; an order off a draining server, which must empty
+before a deadline, ``--drain-tokens-per-step``, default 256): one ExportBlocks of them from the source, one
 ImportBlocks into their reservations on the destination, *staged* (written, still reserved, read by no
 step). At the next call, if the copy is done (normally long before: it ran during the step; else at a
 later call, the source serving meanwhile, so the budget is a ceiling that a slow copy lowers), it commits
@@ -84,6 +85,7 @@ class Order:
     error: str = ""
     cached_hashes: list[bytes] = field(default_factory=list)  # moved shared rBlocks now cached on dst
     copying: Future[Copy] | None = None  # the copy running during the current step
+    drain: bool = False  # the source is draining: copy at the drain budget
 
     @property
     def num_blocks(self) -> int:
@@ -113,6 +115,8 @@ class MigrationExecutor:
         computed: ``seq_id -> num_computed_tokens`` of a running sequence, ``None`` when it is not running.
         tokens_per_step: the migration budget per step (tokens); ``block_size`` divides it into rBlocks.
         timeout_s: deadline of each RPC (seconds).
+        drain_tokens_per_step: the budget of an order whose source is draining (``Order.drain``: a server
+            stopping, or scaled down, empties before a deadline); default ``tokens_per_step``.
         on_paced: told, after each call of ``between_steps`` that worked on an order (a copy in flight, started
             or switched; not one that only waits for rBlocks to fill), the seconds that call spent and the
             seconds of the step run since the previous such call (0 when there was none just before): their
@@ -127,11 +131,16 @@ class MigrationExecutor:
         tokens_per_step: int = 16,
         timeout_s: float = 30.0,
         on_paced: Callable[[float, float], None] | None = None,
+        drain_tokens_per_step: int | None = None,
     ) -> None:
-        if tokens_per_step < 1:
-            raise ValueError(f"migration tokens per step must be >= 1, got {tokens_per_step}")
+        drain_tokens_per_step = tokens_per_step if drain_tokens_per_step is None else drain_tokens_per_step
+        if min(tokens_per_step, drain_tokens_per_step) < 1:
+            raise ValueError(
+                f"migration tokens per step must be >= 1, got {tokens_per_step} (drain {drain_tokens_per_step})"
+            )
         self.dist, self._computed = dist, computed
         self.blocks_per_step = max(1, tokens_per_step // dist.block_size)
+        self.drain_blocks_per_step = max(1, drain_tokens_per_step // dist.block_size)
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._queue: list[Order] = []
@@ -228,7 +237,8 @@ class MigrationExecutor:
                 order.error = f"no full rBlock of the sequence on {order.src} after {MAX_WAIT_STEPS} steps"
             return
         left = order.reservation_ids[order.moved :]
-        picks = [(i, table[i], rid) for i, rid in zip(movable[: self.blocks_per_step], left, strict=False)]
+        budget = self.drain_blocks_per_step if order.drain else self.blocks_per_step
+        picks = [(i, table[i], rid) for i, rid in zip(movable[:budget], left, strict=False)]
         src, dst = self._stub(order.src_address), self._stub(order.dst_address)
         order.copying = self._copier.submit(self._copy, order.seq_id, src, dst, picks)
 

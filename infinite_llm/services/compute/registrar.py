@@ -121,7 +121,7 @@ class ComputeRegistrar:
     def _order(self, o: mpb.MigrationOrder) -> None:
         """Hand an order to the executor; without one, report it failed so the manager settles it."""
         order = Order(o.migration_id, o.seq_id, o.src_server_id, o.src_address, o.dst_server_id, o.dst_address,
-                      list(o.reservation_ids), list(o.block_indices))  # fmt: skip
+                      list(o.reservation_ids), list(o.block_indices), drain=o.drain)  # fmt: skip
         if self.migrations is None:
             log.warning("migration order %d refused: this instance runs no migrations", o.migration_id)
             refused = MigrationResult(o.migration_id, o.seq_id, order.src, order.dst, order.num_blocks, 0, 0, "refused",

@@ -58,6 +58,7 @@ class ComputeConfig:
     node_name: str = ""  # this instance's node: attention servers registered with it are homes too
     advertise_host: str = ""  # host the router reaches this instance at (default: host)
     migration_tokens_per_step: int = 16  # KV tokens a live migration moves between two steps (0 = refuse orders)
+    drain_tokens_per_step: int = 256  # ... when its source is draining (a server stopping must empty in time)
     enable_prefix_caching: bool = True  # share full prompt rBlocks across the cluster (--no-prefix-caching: off)
     # rBlocks a running sequence asks the manager for beyond its need, so a decode crosses 3 block
     # boundaries per Place round trip instead of 1 (SchedulerConfig.placement_lookahead_blocks)
@@ -179,7 +180,9 @@ def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfi
             if stepping_s > 0:  # one step ran between two calls that worked on an order
                 loop.metrics.migration_steps.inc()
 
-    executor = MigrationExecutor(kv, computed, config.migration_tokens_per_step, config.rpc_timeout_s, paced)
+    executor = MigrationExecutor(
+        kv, computed, config.migration_tokens_per_step, config.rpc_timeout_s, paced, config.drain_tokens_per_step
+    )
     loop.between_steps = executor.between_steps
     loop.when_idle = executor.settle_idle  # an order whose sequence ended settles without waiting for a step
     executor.on_offer = loop.wake

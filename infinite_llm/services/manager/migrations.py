@@ -77,6 +77,7 @@ class MigrationOrder:
     reservation_ids: tuple[int, ...]
     block_indices: tuple[int, ...] = ()
     owner: str = ""  # the compute instance the order is handed to (the only one that may report its result)
+    drain: bool = False  # its source is draining: the instance copies at its drain budget
 
     @property
     def num_blocks(self) -> int:
@@ -191,7 +192,15 @@ class Migrations:
             await self._cancel(move.dst, held)
             return None
         order = MigrationOrder(
-            next(self._ids), move.seq_id, move.src, src_address, move.dst, dst_address, held, owner=owner
+            next(self._ids),
+            move.seq_id,
+            move.src,
+            src_address,
+            move.dst,
+            dst_address,
+            held,
+            owner=owner,
+            drain=move.reason == "drain",
         )
         self.in_flight[order.migration_id] = order
         self._started[order.migration_id] = time.monotonic()

@@ -200,7 +200,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             mpb.MigrationOrder(
                 migration_id=o.migration_id, seq_id=o.seq_id, src_server_id=o.src, src_address=o.src_address,
                 dst_server_id=o.dst, dst_address=o.dst_address, reservation_ids=o.reservation_ids,
-                block_indices=o.block_indices,
+                block_indices=o.block_indices, drain=o.drain,
             )
             for o in m.migrations.take_orders(request.instance_id)
         ]  # fmt: skip

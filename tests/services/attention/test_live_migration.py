@@ -81,6 +81,33 @@ def test_sequence_migrates_across_three_servers_mid_decode_with_exact_attention(
     assert [_stats(pairs[s]) for s in ("A", "B", "C")] == [(8, 0, 0)] * 3
 
 
+def test_an_order_off_a_draining_server_copies_at_the_drain_budget(cluster):
+    """A server that is stopping must empty before its deadline: an order marked ``drain`` copies up to the
+    drain budget per step (here 3 rBlocks), a rebalancing order its own (1), and attention stays exact."""
+    pairs, steps = cluster
+    computed = {"s": 0}
+    executor = MigrationExecutor(steps.dist, computed.get, 4, timeout_s=TIMEOUT, drain_tokens_per_step=12)
+    steps.step([SeqStep("s", 0, 25)])  # rBlocks 0-3 (A) and 4-5 (B) full
+    computed["s"] = 25
+    drain = _order(1, pairs, "A", "C", _reserve(pairs["C"], "s", 4))
+    drain.drain = True
+    executor.offer(drain)
+    executor.offer(_order(2, pairs, "B", "C", _reserve(pairs["C"], "s", 2)))
+    holders = []
+    for pos in range(25, 31):
+        _between_steps(executor)
+        holders.append("".join(ref.holder for ref in steps.dist.block_table("s")))
+        steps.step([SeqStep("s", pos, 1)])
+        computed["s"] = pos + 1
+    # Each call switches the copy made during the last step and starts the next: 3 rBlocks, then the drain's
+    # last one; the next call starts the rebalancing order, which copies one rBlock per step.
+    assert holders == ["AAAABBCC", "CCCABBCC", "CCCCBBCC", "CCCCBBCC", "CCCCCBCC", "CCCCCCCC"]
+    results = executor.take_results()
+    assert [(r.migration_id, r.num_moved, r.error) for r in results] == [(1, 4, ""), (2, 2, "")]
+    steps.dist.free("s")
+    assert [_stats(pairs[s]) for s in ("A", "B", "C")] == [(8, 0, 0)] * 3
+
+
 def test_failed_import_leaves_the_source_serving_and_nothing_on_the_destination(cluster):
     pairs, steps = cluster
     computed = {"s": 10}

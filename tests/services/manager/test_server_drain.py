@@ -177,3 +177,33 @@ def test_a_manager_that_cannot_be_told_ends_the_drain_at_once(etcd_server, etcd_
                 await registrar.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_planner_empties_a_stopping_server_with_drain_orders(etcd_server, etcd_prefix):
+    """c0's sequence x spills off its home a onto a lender; that lender says it is stopping: the next planning
+    tick moves x's rBlocks to the other lender, and the order c0 receives in its heartbeat reply is marked
+    ``drain`` (it copies at its drain budget)."""
+    from infinite_llm.services.manager.computes import ComputeInfo
+
+    async def scenario():
+        servers = make_servers({"a": 2, "b": 4, "c": 4})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m, served(m) as stub:
+            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",)))
+            await m.place("x", 4, owner="c0")
+            ledger = (await m.cluster_state()).ledger["x"]
+            (lender, n), *rest = [(s, k) for s, k in ledger if s != "a"]
+            assert (n, rest) == (2, [])
+            other = ({"b", "c"} - {lender}).pop()
+            await stub.Heartbeat(beat(lender, 2, draining=True))
+            assert await m.rebalancer.tick() == 1
+            reply = await stub.HeartbeatCompute(mpb.HeartbeatComputeRequest(instance_id="c0"))
+            (order,) = reply.migrations
+            assert (order.seq_id, order.src_server_id, order.dst_server_id, len(order.reservation_ids)) == (
+                "x",
+                lender,
+                other,
+                2,
+            )
+            assert order.drain
+
+    asyncio.run(scenario())
