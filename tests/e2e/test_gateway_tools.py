@@ -119,6 +119,35 @@ def test_streamed_tool_calls_arrive_as_openai_deltas(oai):
     assert whole.choices[0].message.tool_calls[0].function.arguments == arguments
 
 
+def test_streamed_required_calls_arrive_call_by_call_with_their_arguments_in_pieces(oai):
+    kwargs = dict(model="", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0)
+    streamed = oai.chat.completions.create(
+        **kwargs, stream=True, logprobs=True, stream_options={"include_usage": True}, max_tokens=MAX_TOKENS
+    )
+    *chunks, last = list(streamed)
+    deltas = [c.choices[0].delta for c in chunks if c.choices[0].delta.tool_calls]
+    calls: dict[int, dict] = {}
+    for piece in (call for d in deltas for call in d.tool_calls):
+        if piece.id is not None:  # a call's head comes first: its index, id, type and name
+            assert piece.index not in calls and piece.type == "function" and piece.function.arguments == ""
+            calls[piece.index] = {"name": piece.function.name, "arguments": "", "pieces": 0}
+        else:
+            assert piece.function.name is None
+            calls[piece.index]["arguments"] += piece.function.arguments
+            calls[piece.index]["pieces"] += 1
+    assert calls and sorted(calls) == list(range(len(calls)))
+    assert any(c["pieces"] > 1 for c in calls.values())  # streamed, not one delta at the end
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # every token's logprob streams with the calls (the answer used to be held back, its logprobs dropped)
+    assert (
+        sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices[0].logprobs) == last.usage.completion_tokens
+    )
+    whole = oai.chat.completions.create(**kwargs, max_tokens=MAX_TOKENS).choices[0].message.tool_calls
+    assert [c["name"] for c in calls.values()] == [c.function.name for c in whole]
+    for got, want in zip(calls.values(), whole, strict=True):
+        assert json.loads(got["arguments"]) == json.loads(want.function.arguments)
+
+
 def test_auto_is_a_400_for_a_model_without_a_tool_format_and_none_answers_in_text(oai):
     for choice in ("auto", openai.NOT_GIVEN):
         with pytest.raises(openai.BadRequestError) as e:

@@ -303,9 +303,10 @@ async def chat_chunks(
     tokenizer,  # noqa: ANN001
 ) -> AsyncIterator[BaseModel]:
     """Per choice: a first delta with the role, content deltas (with their tokens' logprobs when asked),
-    then an empty delta with the finish reason. A named function's call streams as OpenAI's do: a delta
-    with its id and name, then its ``arguments`` piece by piece (the grammar makes the whole answer the
-    arguments); ``required`` and ``auto`` answers are parsed whole, their calls in one delta at the end."""
+    then an empty delta with the finish reason. Tool calls stream as OpenAI's do: per call a delta with its
+    index, id and name, then its ``arguments`` piece by piece. A named function's answer is all arguments
+    (the grammar's); a ``required`` one is read as it comes (:class:`tools.RequiredCallStream`); ``auto``
+    answers are parsed whole, their calls in one delta at the end."""
     created, completion_tokens = int(time.time()), {}  # choice -> its tokens so far
 
     def chunk_of(choice: ChatStreamChoice) -> ChatCompletionChunk:
@@ -315,7 +316,9 @@ async def chat_chunks(
 
     calling = p.tools is not None and p.tools.calls_tools
     named = calling and p.tools.mode == "named"  # type: ignore[union-attr]
-    held: dict[int, str] = {}  # other tool-calling answers are parsed whole: their text is held until the end
+    required = calling and p.tools.mode == "required"  # type: ignore[union-attr]
+    parsers: dict[int, tools.RequiredCallStream] = {}  # required: per choice
+    held: dict[int, str] = {}  # auto answers are parsed whole: their text is held until the end
     async for i, chunk in events:
         if i not in completion_tokens:
             completion_tokens[i] = 0
@@ -329,6 +332,10 @@ async def chat_chunks(
             if chunk.text or lps is not None:
                 piece = [{"index": 0, "function": {"arguments": chunk.text}}]
                 yield chunk_of(ChatStreamChoice(index=i, delta=Delta(tool_calls=piece), logprobs=lps))
+        elif required:
+            deltas = parsers.setdefault(i, tools.RequiredCallStream()).feed(chunk.text)
+            if deltas or lps is not None:
+                yield chunk_of(ChatStreamChoice(index=i, delta=Delta(tool_calls=deltas or None), logprobs=lps))
         elif calling:
             held[i] = held.get(i, "") + chunk.text
         elif chunk.text or lps is not None:
@@ -336,10 +343,12 @@ async def chat_chunks(
         if not chunk.finish_reason:
             continue
         reason = params.finish_reason(chunk.finish_reason)
-        if named:  # a call the grammar completed, or cut by max_tokens ("length")
+        parser = parsers.pop(i, None)
+        if named or (parser is not None and parser.calls > 0):  # calls the grammar completed, or cut (length)
             reason = "tool_calls" if reason == "stop" else reason
-        elif calling:
-            message, reason = chat_message(p, held.pop(i, ""), chunk.finish_reason)
+        elif calling:  # auto; or a required answer with no call read from it (parsed whole, as unary)
+            text = parser.text if parser is not None else held.pop(i, "")
+            message, reason = chat_message(p, text, chunk.finish_reason)
             calls = [{"index": n, **c} for n, c in enumerate(message.tool_calls or [])]
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=message.content, tool_calls=calls or None)))
         yield chunk_of(ChatStreamChoice(index=i, delta=Delta(), finish_reason=reason))

@@ -211,3 +211,62 @@ def tool_call(name: str, arguments: str) -> dict:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+class RequiredCallStream:
+    """The calls of a streamed ``required`` answer (a JSON array of ``{"name", "parameters"}``), as OpenAI
+    streams calls: for each item, a delta with its ``index``, a new id and its name as soon as the name is
+    whole, then its ``arguments`` text piece by piece as the parameters' JSON arrives (the model's own text,
+    up to the value's end: never the item's closing brace). :meth:`feed` takes each piece of the answer and
+    returns the deltas it completes. Items whose name does not come first (a grammar that reordered them)
+    stream nothing: :attr:`calls` stays 0 and the caller parses the whole answer at the end.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls = 0  # items whose head was sent
+        self._at: int | None = None  # where the next item may start (after '[')
+        self._value: int | None = None  # the current item's parameters start here (None: between items)
+        self._sent = 0  # its arguments were sent up to here
+
+    def feed(self, piece: str) -> list[dict]:
+        self.text += piece
+        out: list[dict] = []
+        while True:
+            if self._value is None:
+                head = self._next_head()
+                if head is None:
+                    return out
+                out.append({"index": self.calls, **tool_call(json.loads(f'"{head.group(1)}"'), "")})
+                self.calls += 1
+                self._value = self._sent = head.end()
+            end, complete = self._value_end()
+            if end > self._sent:
+                out.append({"index": self.calls - 1, "function": {"arguments": self.text[self._sent : end]}})
+                self._sent = end
+            if not complete:
+                return out
+            self._at, self._value = end, None
+
+    def _next_head(self) -> re.Match | None:
+        if self._at is None:
+            start = self.text.find("[")
+            if start < 0 or self.text[:start].strip():
+                return None
+            self._at = start + 1
+        while self._at < len(self.text) and self.text[self._at] in " \t\r\n,}":
+            self._at += 1
+        return _ITEM_HEAD.match(self.text, self._at)
+
+    def _value_end(self) -> tuple[int, bool]:
+        """Where the parameters' text so far ends, and whether the value is whole (a number at the very end
+        of the text may still grow)."""
+        assert self._value is not None
+        while self._sent == self._value < len(self.text) and self.text[self._value].isspace():
+            self._value = self._sent = self._value + 1  # whitespace before the value is not its text
+        try:
+            value, end = json.JSONDecoder().raw_decode(self.text, self._value)
+        except json.JSONDecodeError:
+            return len(self.text), False  # an unfinished value: all of the text so far is its text
+        growing = isinstance(value, int | float) and not isinstance(value, bool) and end == len(self.text)
+        return end, not growing

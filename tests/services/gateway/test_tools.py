@@ -182,3 +182,54 @@ def test_calls_cut_short_by_max_tokens_are_still_calls_with_the_arguments_so_far
     assert named_args('[{"name": "get_time", "parameters": {}},') == [("get_time", "{}")]
     assert parse_calls(required, '[{"na') == ('[{"na', [])  # not even a name yet: no call to speak of
     assert parse_calls(required, "Sorry, no.") == ("Sorry, no.", [])
+
+
+REQUIRED_ANSWERS = [
+    '[{"name": "get_weather", "parameters": {"city": "Paris, \\"FR\\" [}"}}, {"name":"get_time","parameters":{}}]',
+    '[ {"name": "get_time", "parameters": {"n": 12}} ,\n {"name": "get_weather", "parameters": {"city": "Oslo"}}]',
+    '[{"name": "get_time", "parameters": 12}, {"name": "get_weather", "parameters": ["a", {"b": "}"}]}]',
+    '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Os',  # cut
+    '[{"name": "get_time", "parameters": {}}, {"na',  # cut inside the second item's head
+]
+
+
+@pytest.mark.parametrize("answer", REQUIRED_ANSWERS)
+@pytest.mark.parametrize("seed", range(20))
+def test_a_streamed_required_answer_yields_the_calls_of_the_whole_answer(answer, seed):
+    """Fed in random pieces (1 to 6 characters, as tokens come), the deltas join into the calls the whole
+    answer parses to: one head per call (index, id, name, empty arguments) before its arguments' pieces,
+    and arguments that are the model's own text of the parameters, no more (equal JSON to the whole parse's,
+    and the same text when cut)."""
+    import random
+
+    from infinite_llm.services.gateway.tools import RequiredCallStream
+
+    rng, stream, deltas, at = random.Random(seed), RequiredCallStream(), [], 0
+    while at < len(answer):
+        n = rng.randint(1, 6)
+        deltas += stream.feed(answer[at : at + n])
+        at += n
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] not in calls and d["function"]["arguments"] == "" and d["id"].startswith("call_")
+            calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls))) and stream.calls == len(calls)
+    _, whole = parse_calls(tool_plan([WEATHER, TIME], "required", CHATML), answer)
+    assert [c["name"] for c in calls.values()] == [c["function"]["name"] for c in whole]
+    for got, want in zip(calls.values(), whole, strict=True):
+        try:
+            assert json.loads(got["arguments"]) == json.loads(want["function"]["arguments"])
+        except json.JSONDecodeError:  # the cut call: the text so far
+            assert got["arguments"] == want["function"]["arguments"]
+
+
+def test_a_required_answer_that_is_not_calls_streams_nothing():
+    from infinite_llm.services.gateway.tools import RequiredCallStream
+
+    stream = RequiredCallStream()
+    assert stream.feed("Sorry, ") == [] and stream.feed('[{"name": "x", "parameters": {}}]') == []
+    assert stream.calls == 0
