@@ -253,3 +253,13 @@ def test_the_compute_model_cache_holds_the_weights_in_their_dtype(rendered, rend
     elements = sum(int(t.n_elements) for t in gguf.GGUFReader(default_model_path).tensors)
     (cache,) = [v for v in pod_spec(w)["volumes"] if v["name"] == "model-cache"]
     assert parse_quantity(cache["emptyDir"]["sizeLimit"]) >= 1.1 * elements * dtype.itemsize
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_the_single_manager_leaves_a_lost_node_in_30_seconds(rendered, render):
+    """One manager replica: Kubernetes' default 300 s of tolerated node loss would stall placement for five
+    minutes after a node failure; the manager's pod asks for 30 s."""
+    spec = pod_spec(workload_of(rendered, render, "manager"))
+    tolerated = {t["key"]: t for t in spec.get("tolerations", []) if t.get("effect") == "NoExecute"}
+    for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
+        assert tolerated[key]["operator"] == "Exists" and tolerated[key]["tolerationSeconds"] <= 30
