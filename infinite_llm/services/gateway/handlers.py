@@ -305,8 +305,8 @@ async def chat_chunks(
     """Per choice: a first delta with the role, content deltas (with their tokens' logprobs when asked),
     then an empty delta with the finish reason. Tool calls stream as OpenAI's do: per call a delta with its
     index, id and name, then its ``arguments`` piece by piece. A named function's answer is all arguments
-    (the grammar's); a ``required`` one is read as it comes (:class:`tools.RequiredCallStream`); ``auto``
-    answers are parsed whole, their calls in one delta at the end."""
+    (the grammar's); ``required`` and ``auto`` answers are read as they come (:class:`tools.RequiredCallStream`,
+    :class:`tools.HermesCallStream`: the text around an ``auto`` answer's calls streams as content)."""
     created, completion_tokens = int(time.time()), {}  # choice -> its tokens so far
 
     def chunk_of(choice: ChatStreamChoice) -> ChatCompletionChunk:
@@ -316,9 +316,8 @@ async def chat_chunks(
 
     calling = p.tools is not None and p.tools.calls_tools
     named = calling and p.tools.mode == "named"  # type: ignore[union-attr]
-    required = calling and p.tools.mode == "required"  # type: ignore[union-attr]
-    parsers: dict[int, tools.RequiredCallStream] = {}  # required: per choice
-    held: dict[int, str] = {}  # auto answers are parsed whole: their text is held until the end
+    mode = p.tools.mode if calling else None  # type: ignore[union-attr]
+    parsers: dict[int, tools.RequiredCallStream | tools.HermesCallStream] = {}  # required, auto: per choice
     async for i, chunk in events:
         if i not in completion_tokens:
             completion_tokens[i] = 0
@@ -332,23 +331,27 @@ async def chat_chunks(
             if chunk.text or lps is not None:
                 piece = [{"index": 0, "function": {"arguments": chunk.text}}]
                 yield chunk_of(ChatStreamChoice(index=i, delta=Delta(tool_calls=piece), logprobs=lps))
-        elif required:
+        elif mode == "required":
             deltas = parsers.setdefault(i, tools.RequiredCallStream()).feed(chunk.text)
             if deltas or lps is not None:
                 yield chunk_of(ChatStreamChoice(index=i, delta=Delta(tool_calls=deltas or None), logprobs=lps))
-        elif calling:
-            held[i] = held.get(i, "") + chunk.text
+        elif mode == "auto":
+            text, deltas = parsers.setdefault(i, tools.HermesCallStream()).feed(chunk.text)  # type: ignore[union-attr]
+            if text or deltas or lps is not None:
+                delta = Delta(content=text or None, tool_calls=deltas or None)
+                yield chunk_of(ChatStreamChoice(index=i, delta=delta, logprobs=lps))
         elif chunk.text or lps is not None:
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=chunk.text), logprobs=lps))
         if not chunk.finish_reason:
             continue
         reason = params.finish_reason(chunk.finish_reason)
         parser = parsers.pop(i, None)
-        if named or (parser is not None and parser.calls > 0):  # calls the grammar completed, or cut (length)
+        if isinstance(parser, tools.HermesCallStream) and (tail := parser.flush()):
+            yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=tail)))
+        if named or (parser is not None and parser.calls > 0):  # calls completed, or cut by max_tokens (length)
             reason = "tool_calls" if reason == "stop" else reason
-        elif calling:  # auto; or a required answer with no call read from it (parsed whole, as unary)
-            text = parser.text if parser is not None else held.pop(i, "")
-            message, reason = chat_message(p, text, chunk.finish_reason)
+        elif mode == "required":  # no call read from the answer: parsed whole, as a unary reply is
+            message, reason = chat_message(p, parser.text if parser is not None else "", chunk.finish_reason)
             calls = [{"index": n, **c} for n, c in enumerate(message.tool_calls or [])]
             yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=message.content, tool_calls=calls or None)))
         yield chunk_of(ChatStreamChoice(index=i, delta=Delta(), finish_reason=reason))

@@ -213,7 +213,41 @@ def tool_call(name: str, arguments: str) -> dict:
     }
 
 
-class RequiredCallStream:
+class _CallStream:
+    """What the streamed-call parsers share: the answer so far, the calls whose head was sent, and the
+    current call's ``arguments`` (a JSON value starting at ``_value``, sent up to ``_sent``)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls = 0  # calls whose head was sent
+        self._value = 0  # where the current call's arguments start
+        self._sent = 0  # ... and how far they were sent
+
+    def _head(self, name: str, at: int) -> dict:
+        """The delta that opens a call (its index, a new id, ``name``); its arguments start at ``at``."""
+        self.calls += 1
+        self._value = self._sent = at
+        return {"index": self.calls - 1, **tool_call(json.loads(f'"{name}"'), "")}
+
+    def _arguments(self, out: list[dict], limit: int | None = None) -> int | None:
+        """Append the current call's arguments text that arrived (not past ``limit``) to ``out``; returns
+        where the value ends once it is whole (a number at the very end of the text may still grow)."""
+        while self._sent == self._value < len(self.text) and self.text[self._value].isspace():
+            self._value = self._sent = self._value + 1  # whitespace before the value is not its text
+        try:
+            value, end = json.JSONDecoder().raw_decode(self.text, self._value)
+            growing = isinstance(value, int | float) and not isinstance(value, bool) and end == len(self.text)
+            whole = end if not growing else None
+        except json.JSONDecodeError:
+            end, whole = len(self.text), None  # an unfinished value: all of the text so far is its text
+        end = end if limit is None else min(end, limit)
+        if end > self._sent:
+            out.append({"index": self.calls - 1, "function": {"arguments": self.text[self._sent : end]}})
+            self._sent = end
+        return whole
+
+
+class RequiredCallStream(_CallStream):
     """The calls of a streamed ``required`` answer (a JSON array of ``{"name", "parameters"}``), as OpenAI
     streams calls: for each item, a delta with its ``index``, a new id and its name as soon as the name is
     whole, then its ``arguments`` text piece by piece as the parameters' JSON arrives (the model's own text,
@@ -223,30 +257,24 @@ class RequiredCallStream:
     """
 
     def __init__(self) -> None:
-        self.text = ""
-        self.calls = 0  # items whose head was sent
+        super().__init__()
         self._at: int | None = None  # where the next item may start (after '[')
-        self._value: int | None = None  # the current item's parameters start here (None: between items)
-        self._sent = 0  # its arguments were sent up to here
+        self._in_item = False
 
     def feed(self, piece: str) -> list[dict]:
         self.text += piece
         out: list[dict] = []
         while True:
-            if self._value is None:
+            if not self._in_item:
                 head = self._next_head()
                 if head is None:
                     return out
-                out.append({"index": self.calls, **tool_call(json.loads(f'"{head.group(1)}"'), "")})
-                self.calls += 1
-                self._value = self._sent = head.end()
-            end, complete = self._value_end()
-            if end > self._sent:
-                out.append({"index": self.calls - 1, "function": {"arguments": self.text[self._sent : end]}})
-                self._sent = end
-            if not complete:
+                out.append(self._head(head.group(1), head.end()))
+                self._in_item = True
+            end = self._arguments(out)
+            if end is None:
                 return out
-            self._at, self._value = end, None
+            self._at, self._in_item = end, False
 
     def _next_head(self) -> re.Match | None:
         if self._at is None:
@@ -258,15 +286,94 @@ class RequiredCallStream:
             self._at += 1
         return _ITEM_HEAD.match(self.text, self._at)
 
-    def _value_end(self) -> tuple[int, bool]:
-        """Where the parameters' text so far ends, and whether the value is whole (a number at the very end
-        of the text may still grow)."""
-        assert self._value is not None
-        while self._sent == self._value < len(self.text) and self.text[self._value].isspace():
-            self._value = self._sent = self._value + 1  # whitespace before the value is not its text
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+class HermesCallStream(_CallStream):
+    """A streamed ``auto`` answer in the Hermes format: text, and calls written as ``<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>``. :meth:`feed` returns ``(content, deltas)``: the text outside the tags
+    as it arrives (a tail that may open a tag, and whitespace until other text follows it, are held back: the
+    whole parse strips the content's ends), and each call as :class:`RequiredCallStream` sends them. A call
+    whose JSON does not start with its name is sent whole once its tag closes; one that does not parse is
+    dropped, as the whole parse drops it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pos = 0  # the text before this is handled
+        self._state = "content"  # content | head | arguments | close
+        self._blank = ""  # whitespace held back until other text follows it
+
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        self.text += piece
+        content: list[str] = []
+        out: list[dict] = []
+        while self._step(content, out):
+            pass
+        return "".join(content), out
+
+    def _step(self, content: list[str], out: list[dict]) -> bool:
+        """Advance through the text once; False when it must wait for more."""
+        text = self.text
+        if self._state == "content":
+            at = text.find(_HERMES_OPEN, self._pos)
+            end = at if at >= 0 else len(text) - _open_prefix(text, self._pos)
+            piece, self._pos = self._blank + text[self._pos : end], end
+            sent = piece.rstrip()
+            self._blank = piece[len(sent) :]
+            content.append(sent)
+            if at < 0:
+                return False
+            self._pos, self._state = at + len(_HERMES_OPEN), "head"
+            return True
+        close = text.find(_HERMES_CLOSE, self._pos)
+        if self._state == "head":
+            head = _HERMES_HEAD.match(text, self._pos)
+            if head is not None and (close < 0 or head.end() <= close):
+                out.append(self._head(head.group(1), head.end()))
+                self._state = "arguments"
+                return True
+            if close < 0:
+                return False
+            out.extend(self._whole_call(text[self._pos : close]))
+            self._pos, self._state = close + len(_HERMES_CLOSE), "content"
+            return True
+        if self._state == "arguments":
+            end = self._arguments(out, limit=close if close >= 0 else None)
+            if end is None and close < 0:
+                return False
+            self._pos, self._state = (end, "close") if end is not None else (close, "close")
+            return True
+        if close < 0:  # "close": the arguments are whole, the tag's end is still to come
+            return False
+        self._pos, self._state = close + len(_HERMES_CLOSE), "content"
+        return True
+
+    def flush(self) -> str:
+        """At the answer's end: the content still held back (as the whole parse keeps it: an unclosed tag is
+        text, and only an answer with calls has its ends stripped)."""
+        tail = {"content": "", "head": _HERMES_OPEN}.get(self._state)
+        if tail is None:  # an unclosed call whose head was sent: it stays a call (cut by max_tokens)
+            return ""
+        rest = self._blank + tail + self.text[self._pos :]
+        return rest.rstrip() if self.calls else rest
+
+    def _whole_call(self, body: str) -> list[dict]:
+        """A call whose name is not first, read whole as :func:`parse_calls` reads it (nothing if it cannot)."""
         try:
-            value, end = json.JSONDecoder().raw_decode(self.text, self._value)
-        except json.JSONDecodeError:
-            return len(self.text), False  # an unfinished value: all of the text so far is its text
-        growing = isinstance(value, int | float) and not isinstance(value, bool) and end == len(self.text)
-        return end, not growing
+            call = json.loads(body)
+            head = {"index": self.calls, **tool_call(call["name"], json.dumps(call.get("arguments", {})))}
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return []
+        self.calls += 1
+        return [head]
+
+
+def _open_prefix(text: str, start: int) -> int:
+    """Length of the longest end of ``text[start:]`` that could begin ``<tool_call>`` (held back)."""
+    for n in range(min(len(_HERMES_OPEN) - 1, len(text) - start), 0, -1):
+        if _HERMES_OPEN.startswith(text[-n:]):
+            return n
+    return 0

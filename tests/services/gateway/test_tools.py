@@ -233,3 +233,80 @@ def test_a_required_answer_that_is_not_calls_streams_nothing():
     stream = RequiredCallStream()
     assert stream.feed("Sorry, ") == [] and stream.feed('[{"name": "x", "parameters": {}}]') == []
     assert stream.calls == 0
+
+
+HERMES_ANSWERS = [
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris <b>"}}\n</tool_call>',
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>\n{"name": "get_weather", '
+    '"arguments": {"city": "Oslo"}}\n</tool_call>\nDone.',
+    "I think <tool_ not a tag, and < tool_call> neither.",
+    'Before <tool_call>{"arguments": {}, "name": "get_time"}</tool_call> after',  # unreadable: dropped
+    '<tool_call>{"name": "get_time", "arguments": 7}</tool_call>',
+]
+
+
+@pytest.mark.parametrize("answer", HERMES_ANSWERS)
+@pytest.mark.parametrize("seed", range(20))
+def test_a_streamed_hermes_answer_yields_the_content_and_calls_of_the_whole_answer(answer, seed):
+    """``auto`` with a Hermes template, fed in random pieces: the content deltas join into the whole parse's
+    content (whitespace at its ends aside: a stream cannot take back what it sent), the call deltas into its
+    calls, and no tag's text ever reaches the content or the arguments."""
+    import random
+
+    from infinite_llm.services.gateway.tools import HermesCallStream
+
+    rng, stream, content, deltas, at = random.Random(seed), HermesCallStream(), "", [], 0
+    while at < len(answer):
+        n = rng.randint(1, 6)
+        text, more = stream.feed(answer[at : at + n])
+        content, deltas, at = content + text, deltas + more, at + n
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if "id" in d:  # a head: empty arguments, or whole ones for a call whose name did not come first
+            calls[d["index"]] = {"name": d["function"]["name"], "arguments": d["function"]["arguments"]}
+        else:
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    want_content, want_calls = parse_calls(tool_plan([WEATHER, TIME], "auto", HERMES), answer)
+    assert content.strip() == (want_content or "")
+    assert "<tool_call>" not in content and "</tool_call>" not in content
+    assert all("tool_call" not in c["arguments"] for c in calls.values())
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want_calls
+    ]
+
+
+def test_a_streamed_auto_answer_sends_its_text_as_content_and_its_calls_as_tool_call_deltas():
+    """The gateway's chat stream over an ``auto`` answer in the Hermes format, token pieces as the router
+    sends them: the role, content deltas, the call's head then its arguments in pieces, and ``tool_calls``
+    as the finish reason; the same answer with no call finishes ``stop`` with all of its text as content."""
+    import asyncio
+
+    from infinite_llm.client.sdk import CompletionChunk
+    from infinite_llm.services.gateway.handlers import chat_chunks
+    from infinite_llm.services.gateway.params import Plan
+
+    def stream(pieces: list[str]) -> list:
+        plan = Plan("chatcmpl-1", "m", [[1, 2]], 1, tools=tool_plan([WEATHER, TIME], "auto", HERMES))
+
+        async def events():
+            for n, piece in enumerate(pieces):
+                last = n == len(pieces) - 1
+                yield 0, CompletionChunk("r", [n], piece, finish_reason="stop" if last else None)
+
+        async def collect() -> list:
+            return [c async for c in chat_chunks(plan, events(), False, None)]
+
+        return [c.choices[0] for c in asyncio.run(collect())]
+
+    pieces = ["Let me", " check.", "\n<tool", '_call>\n{"name": "get_', 'weather", "argu', 'ments": {"city"', ': "Par',
+              'is"}}\n</tool_call>']  # fmt: skip
+    choices = stream(pieces)
+    assert choices[0].delta.role == "assistant"
+    assert "".join(c.delta.content or "" for c in choices) == "Let me check."
+    calls = [t for c in choices for t in c.delta.tool_calls or []]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["index"] == 0
+    assert len(calls) > 2 and json.loads("".join(t["function"]["arguments"] for t in calls)) == {"city": "Paris"}
+    assert choices[-1].finish_reason == "tool_calls"
+    plain = stream(["No tools <tool", " needed.  "])
+    assert "".join(c.delta.content or "" for c in plain) == "No tools <tool needed.  "
+    assert plain[-1].finish_reason == "stop" and not any(c.delta.tool_calls for c in plain)
