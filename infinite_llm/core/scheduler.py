@@ -73,6 +73,7 @@ class Sequence:
     error: InfiniteLLMError | None = None  # why it finished with reason "error"
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
+    outgrown_since: float | None = None  # monotonic time since its tokens need more rBlocks than all KV memory
     first_scheduled_time: float | None = None
     # log-probabilities asked for by ``params``: of prompt tokens 1.. (a recomputed prefill adds none twice),
     # and of each output token (parallel to ``output_token_ids``)
@@ -131,17 +132,25 @@ class SchedulerConfig:
     trip (a compute instance's ``Place`` to the global manager, an etcd transaction); 0 (exact) for
     in-process rManagers. The extra rBlocks are asked for only while no sequence waits and the block
     manager reports room for them; if they do not fit, the exact need is placed.
+
+    ``capacity_wait_s``: a waiting sequence whose tokens so far need more rBlocks than the KV memory now
+    holds in all (attention servers left the cluster after it was admitted) waits this long (seconds) for
+    the memory to come back (a restarting server), then fails with ``KVCapacityExceeded`` instead of waiting
+    for its deadline.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     placement_lookahead_blocks: int = 0
+    capacity_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"scheduler limits must be >= 1, got {self}")
         if self.placement_lookahead_blocks < 0:
             raise ValueError(f"placement_lookahead_blocks must be >= 0, got {self.placement_lookahead_blocks}")
+        if self.capacity_wait_s < 0:
+            raise ValueError(f"capacity_wait_s must be >= 0, got {self.capacity_wait_s}")
 
 
 class Scheduler:
@@ -215,6 +224,12 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             try:
+                short_s = self._short_of_memory_s(seq)
+                if short_s is not None and short_s >= self.config.capacity_wait_s:
+                    failed.append(self._fail(seq, self._outgrown_error(seq)))
+                    continue  # it left the waiting queue
+                if short_s is not None:  # it cannot be admitted until memory comes back (first come, first served)
+                    break
                 if not self.blocks.num_free_blocks:  # admitting needs a new rBlock: match no prefix in vain
                     break
                 self._match_prefix(seq)
@@ -247,6 +262,32 @@ class Scheduler:
         more = f" ({since} more stalls since the last warning, {now - last:.0f} s ago)" if since else ""
         log.warning("no rBlocks for %r this step: %s%s", seq.seq_id[:64], error, more)
         self._stall_logged = (now, 0)
+
+    def _short_of_memory_s(self, seq: Sequence) -> float | None:
+        """Seconds since ``seq``'s tokens first needed more rBlocks than the whole KV memory holds (attention
+        servers left after it was admitted); None while they fit (memory that comes back stops the clock)."""
+        if -(-seq.num_tokens // self.blocks.block_size) <= self.blocks.num_total_blocks:
+            seq.outgrown_since = None
+            return None
+        now = time.monotonic()
+        if seq.outgrown_since is None:
+            seq.outgrown_since = now
+            log.warning(
+                "sequence %s needs more rBlocks than the KV memory now holds in all; waiting up to %g s for it "
+                "to come back",
+                seq.seq_id[:64],
+                self.config.capacity_wait_s,
+            )
+        return now - seq.outgrown_since
+
+    def _outgrown_error(self, seq: Sequence) -> KVCapacityExceeded:
+        bs, total = self.blocks.block_size, self.blocks.num_total_blocks
+        return KVCapacityExceeded(
+            f"the KV memory shrank to {total} rBlocks of {bs} tokens in all (attention servers left) and this "
+            f"request's {seq.num_tokens} tokens need {-(-seq.num_tokens // bs)}; it waited "
+            f"{self.config.capacity_wait_s:.0f} s for memory to come back",
+            param="max_tokens",
+        )
 
     def _fail(self, seq: Sequence, error: InfiniteLLMError) -> Sequence:
         """Finish ``seq`` with reason "error" because of ``error``; its rBlocks are freed where possible."""

@@ -408,3 +408,51 @@ def test_a_waiting_sequence_is_not_matched_while_no_rblock_is_free():
     out = sched.schedule()
     assert [(s.seq.seq_id, s.num_computed_tokens) for s in out.scheduled] == [("b", 16)]  # a's 4 cached blocks
     assert placement.matches == matches + 1
+
+
+class _ShrinkingPlacement(LocalPlacement):
+    """In-process placement whose whole KV memory can shrink, as a compute instance's view of the cluster
+    does when attention servers leave (``capacity``: rBlocks the cluster holds in all; None: all of them)."""
+
+    capacity: int | None = None
+
+    @property
+    def num_total_blocks(self) -> int:
+        total = super().num_total_blocks
+        return total if self.capacity is None else min(total, self.capacity)
+
+
+def test_a_sequence_the_shrunken_kv_memory_cannot_hold_fails_after_waiting_for_it_to_come_back():
+    """Admitted when 8 rBlocks existed, preempted after 23 tokens (6 rBlocks), then the cluster holds 4 in
+    all: the sequence waits ``capacity_wait_s`` for memory to come back, which resets the clock when it
+    does, then fails alone with KVCapacityExceeded (a clear error, not a wait until the client's deadline)."""
+    import time
+
+    holders = {partition_id(0): RManager(8, LAYOUT)}
+    placement = _ShrinkingPlacement(holders)
+    kv = DistAttention(placement, LocalTransport(holders), LAYOUT.block_size)
+    sched = Scheduler(SchedulerConfig(8, 64, capacity_wait_s=0.3), kv)
+    a, b = _seq("a", 20, max_tokens=8), _seq("b", 2, max_tokens=8)
+    sched.add(a)
+    for _ in range(3):
+        _run(sched, sched.schedule())
+    assert a.num_tokens == 23 and a.status is SequenceStatus.RUNNING
+    sched.preempt(a)  # its KV was lost with a server
+    placement.capacity = 4
+    sched.add(b)  # fits the shrunken memory, behind a
+    out = sched.schedule()
+    assert out.scheduled == [] and out.failed == [] and a.outgrown_since is not None
+    time.sleep(0.2)
+    placement.capacity = None  # the server came back: the clock stops
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == ["a", "b"] and a.outgrown_since is None
+    sched.preempt(b)
+    sched.preempt(a)
+    placement.capacity = 4
+    assert sched.schedule().failed == []
+    time.sleep(0.35)
+    out = sched.schedule()
+    assert out.failed == [a] and a.finish_reason == "error" and isinstance(a.error, KVCapacityExceeded)
+    assert "shrank to 4 rBlocks" in a.error.message and "need 6" in a.error.message
+    assert [s.seq.seq_id for s in out.scheduled] == ["b"]  # the next in line goes on
+    assert kv.num_free_blocks == 8 - 1

@@ -7,6 +7,7 @@ The loop (register, heartbeat every TTL/3, register again after NOT_FOUND) is th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -45,6 +46,7 @@ class Registrar:
         self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat, on_stalled)
         self.registered = self._keeper.registered
         self.draining = False  # sent with every heartbeat from :meth:`announce_draining` on
+        self._beating = asyncio.Lock()  # one heartbeat at a time: an older one never lands after a newer one
 
     def start(self) -> None:
         self._keeper.start()
@@ -84,6 +86,10 @@ class Registrar:
         return float(reply.lease_ttl_s)
 
     async def _heartbeat(self) -> None:
+        async with self._beating:
+            await self._send_heartbeat()
+
+    async def _send_heartbeat(self) -> None:
         s = self._stats()
         request = mpb.HeartbeatRequest(
             server_id=self.server_id,

@@ -218,18 +218,20 @@ async def drain(
     now: asyncio.Event | None = None,
     idle_s: float = DRAIN_IDLE_S,
 ) -> int:
-    """Empty this server before it stops: announce the drain to the manager, then wait until it holds no
-    rBlock (committed or reserved), ``timeout_s`` seconds passed, none left for ``idle_s`` seconds, or ``now``
-    is set. Returns the rBlocks still held (0: drained). Never raises for the manager: one that cannot be told
-    ends the drain at once (its compute instances recompute what is here)."""
+    """Empty this server before it stops: announce the drain to the manager (an empty server too, so that
+    nothing is placed or moved here while its lease runs out), then wait until it holds no rBlock (committed
+    or reserved), ``timeout_s`` seconds passed, none left for ``idle_s`` seconds, or ``now`` is set. Returns
+    the rBlocks still held (0: drained). Never raises for the manager: one that cannot be told ends the drain
+    at once (its compute instances recompute what is here)."""
     held = _held(stats())
-    if held == 0:
-        return 0
     try:
         await registrar.announce_draining()
     except grpc.RpcError as e:
-        log.warning("stopping without a drain: the manager was not told (%s); %d rBlocks here are lost", _why(e), held)
+        if held:
+            log.warning("stopping without a drain: the manager was not told (%s); %d rBlocks are lost", _why(e), held)
         return held
+    if held == 0:
+        return 0
     log.info("draining: %d rBlocks here; the manager migrates them away (up to %.0f s)", held, timeout_s)
     loop = asyncio.get_running_loop()
     start = last_progress = loop.time()
@@ -246,8 +248,8 @@ async def drain(
             last_progress = loop.time()
         held = left
     waited = loop.time() - start
-    if held == 0:
-        log.info("drained in %.1f s", waited)
+    if held == 0:  # moved by the planner, or freed by their sequences (finished, or preempted for want of room)
+        log.info("drained in %.1f s: no rBlock left here", waited)
     else:
         why = "a second signal" if now.is_set() else f"{loop.time() - last_progress:.0f} s without a move"
         if loop.time() - start >= timeout_s:

@@ -123,14 +123,17 @@ def test_drain_waits_until_the_rblocks_left_and_tells_the_manager(etcd_server, e
     asyncio.run(scenario())
 
 
-def test_an_empty_server_stops_without_a_drain(etcd_server, etcd_prefix):
+def test_an_empty_server_stops_at_once_and_gets_nothing_new_meanwhile(etcd_server, etcd_prefix):
+    """It still says it is stopping: until its lease runs out the manager neither places nor moves rBlocks
+    onto a server that is gone."""
+
     async def scenario():
         async with running_manager(etcd_server, etcd_prefix, make_servers({"a": 4})) as m, served(m) as stub:
             holder = holding(8, {})
             registrar = await registered(stub, holder)
             try:
                 assert await asyncio.wait_for(drain(holder.stats, registrar, timeout_s=30), 1) == 0
-                assert m.drains.draining == frozenset()
+                assert m.drains.draining == {"b"}
             finally:
                 await registrar.stop()
 
