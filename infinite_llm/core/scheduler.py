@@ -285,9 +285,8 @@ class Scheduler:
         return KVCapacityExceeded(
             f"the KV memory shrank to {total} rBlocks of {bs} tokens in all (attention servers left) and this "
             f"request's {seq.num_tokens} tokens need {-(-seq.num_tokens // bs)}; it waited "
-            f"{self.config.capacity_wait_s:.0f} s for memory to come back",
-            param="max_tokens",
-        )
+            f"{self.config.capacity_wait_s:.0f} s for memory to come back"
+        )  # no param: the cluster changed, not the request
 
     def _fail(self, seq: Sequence, error: InfiniteLLMError) -> Sequence:
         """Finish ``seq`` with reason "error" because of ``error``; its rBlocks are freed where possible."""
