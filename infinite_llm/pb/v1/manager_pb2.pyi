@@ -60,6 +60,16 @@ class HeartbeatResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DeregisterRequest(_message.Message):
+    __slots__ = ("server_id",)
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    def __init__(self, server_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PlaceRequest(_message.Message):
     __slots__ = ("seq_id", "num_blocks", "near_server_id", "first_block_index", "block_size", "instance_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class GlobalManagerStub:
                 request_serializer=infinite__llm_dot_v1_dot_manager__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/infinite_llm.v1.GlobalManager/Deregister',
+                request_serializer=infinite__llm_dot_v1_dot_manager__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=infinite__llm_dot_v1_dot_manager__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
         self.Place = channel.unary_unary(
                 '/infinite_llm.v1.GlobalManager/Place',
                 request_serializer=infinite__llm_dot_v1_dot_manager__pb2.PlaceRequest.SerializeToString,
@@ -103,6 +108,15 @@ class GlobalManagerServicer:
 
     def Heartbeat(self, request, context):
         """Free capacity and load; NOT_FOUND when the lease expired (the server must register again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deregister(self, request, context):
+        """An attention server that stops leaves now (revokes its lease) rather than when its lease lapses: it is
+        no longer listed, placed on or moved to, and whatever it still holds counts as lost at once. NOT_FOUND
+        for a server that is not registered; PERMISSION_DENIED from another identity than the registrant's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +206,11 @@ def add_GlobalManagerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.HeartbeatRequest.FromString,
                     response_serializer=infinite__llm_dot_v1_dot_manager__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=infinite__llm_dot_v1_dot_manager__pb2.DeregisterRequest.FromString,
+                    response_serializer=infinite__llm_dot_v1_dot_manager__pb2.DeregisterResponse.SerializeToString,
             ),
             'Place': grpc.unary_unary_rpc_method_handler(
                     servicer.Place,
@@ -293,6 +312,33 @@ class GlobalManager:
             '/infinite_llm.v1.GlobalManager/Heartbeat',
             infinite__llm_dot_v1_dot_manager__pb2.HeartbeatRequest.SerializeToString,
             infinite__llm_dot_v1_dot_manager__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infinite_llm.v1.GlobalManager/Deregister',
+            infinite__llm_dot_v1_dot_manager__pb2.DeregisterRequest.SerializeToString,
+            infinite__llm_dot_v1_dot_manager__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import grpc
+
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import aio_channel
@@ -53,6 +55,15 @@ class Registrar:
 
     async def stop(self) -> None:
         await self._keeper.stop()
+
+    async def deregister(self) -> None:
+        """Leave the cluster now (after :meth:`stop`): the manager stops listing this server at once instead of
+        when its lease lapses. Never raises: a manager that cannot be told lets the lease lapse."""
+        try:
+            await self._stub.Deregister(mpb.DeregisterRequest(server_id=self.server_id))
+            log.info("deregistered %s", self.server_id)
+        except grpc.RpcError as e:
+            log.info("could not deregister %s (%s); its lease lapses instead", self.server_id, e.code().name)
 
     async def announce_draining(self) -> None:
         """Tell the manager now that this server is stopping (a heartbeat with ``draining``; every later one

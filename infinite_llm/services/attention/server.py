@@ -208,6 +208,8 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
     finally:
         if registrar is not None:
             await registrar.stop()
+            await registrar.deregister()
+        log.info("stopping: calls in flight get up to %g s", config.grace_s)
         await server.stop()
 
 

@@ -73,6 +73,11 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         self.metrics.view_free.labels(server_id=request.server_id).set(request.free_blocks)
         return mpb.HeartbeatResponse()
 
+    async def Deregister(self, request: mpb.DeregisterRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        self._check_registrant(request.server_id, context)
+        await self.manager.deregister(request.server_id)
+        return mpb.DeregisterResponse()
+
     def _check_registrant(self, server_id: str, context: grpc.aio.ServicerContext) -> None:
         """A live server's heartbeats (its capacity and the sequences it reports) come only from the
         certificate subject that registered it. Raises PermissionDenied otherwise."""

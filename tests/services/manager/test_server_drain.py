@@ -210,3 +210,26 @@ def test_the_planner_empties_a_stopping_server_with_drain_orders(etcd_server, et
             assert order.drain
 
     asyncio.run(scenario())
+
+
+def test_a_stopped_server_deregisters_instead_of_waiting_for_its_lease(etcd_server, etcd_prefix):
+    """After its drain the server leaves at once: the manager no longer lists it (nor places on or moves to
+    it), instead of for the rest of its lease; leaving twice is NOT_FOUND, which the registrar shrugs off."""
+    import grpc
+
+    from .helpers import wait_for
+
+    async def scenario():
+        async with running_manager(etcd_server, etcd_prefix, make_servers({"a": 4})) as m, served(m) as stub:
+            holder = holding(8, {})
+            registrar = await registered(stub, holder)
+            assert "b" in {x.info.server_id for x in m.members()}
+            await registrar.stop()
+            await registrar.deregister()
+            await wait_for(lambda: "b" not in {x.info.server_id for x in m.members()}, 5)  # its lease is 10 s
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Deregister(mpb.DeregisterRequest(server_id="b"))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            await registrar.deregister()  # logged, not raised
+
+    asyncio.run(scenario())
