@@ -51,6 +51,7 @@ ACCESS: Mapping[str, Access] = {
         {
             "Register": _roles("attention"),
             "Heartbeat": _roles("attention"),
+            "Deregister": _roles("attention"),
             "GetClusterState": _roles("attention", "compute", "router", "gateway", "client", "manager"),
             "ListComputeInstances": _roles("compute", "router", "client", "manager"),
         },

@@ -98,6 +98,7 @@ SERVICES = {
 MANAGER_METHOD_ROLES = {  # the manager's RPCs with their own roles
     "Register": (mpb.RegisterRequest(server_id="rogue", address="127.0.0.1:1"), {"attention"}),
     "Heartbeat": (mpb.HeartbeatRequest(server_id="attn-0"), {"attention"}),
+    "Deregister": (mpb.DeregisterRequest(server_id="attn-0"), {"attention"}),
     "GetClusterState": (mpb.ClusterStateRequest(), {"attention", "compute", "router", "gateway", "client", "manager"}),
     "ListComputeInstances": (mpb.ListComputeInstancesRequest(), {"compute", "router", "client", "manager"}),
 }
