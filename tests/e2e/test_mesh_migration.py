@@ -151,7 +151,8 @@ def test_a_stopping_attention_server_drains_while_its_sequence_decodes(home_mesh
         assert not decoding.done(), "the sequence ended first: its release, not a migration, emptied the server"
         out = decoding.result(timeout=600)
     assert exit_code == 0
-    assert "drained in" in server.log_path.read_text()
+    log = server.log_path.read_text()
+    assert "drained in" in log and f"deregistered {server.name}" in log  # it left the manager's list at once
     assert out == local.generate([prompt], SamplingParams(max_tokens=100, **params))[0].token_ids
     moved = value(scrape(manager.metrics_address), "infinite_llm:migrations_total") - before
     assert moved >= 1, f"no migration happened (logs: {mesh.log_dir})"
