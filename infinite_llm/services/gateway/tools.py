@@ -160,16 +160,19 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     if plan.mode == "required":
         return _required_calls(text)
     if plan.mode == "auto":
-        calls = []
-        for found in HERMES_CALL.findall(text):
-            try:
-                call = json.loads(found)
-                calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}))))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
+        calls = [call for found in HERMES_CALL.findall(text) if (call := _hermes_call(found)) is not None]
         content = HERMES_CALL.sub("", text).strip() if calls else text
         return content or None, calls
     return text, []
+
+
+def _hermes_call(body: str) -> dict | None:
+    """The call a Hermes ``<tool_call>`` tag's JSON body writes, in OpenAI's shape; None if it is not one."""
+    try:
+        call = json.loads(body)
+        return tool_call(call["name"], json.dumps(call.get("arguments", {})))
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 _ITEM_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
@@ -362,13 +365,11 @@ class HermesCallStream(_CallStream):
 
     def _whole_call(self, body: str) -> list[dict]:
         """A call whose name is not first, read whole as :func:`parse_calls` reads it (nothing if it cannot)."""
-        try:
-            call = json.loads(body)
-            head = {"index": self.calls, **tool_call(call["name"], json.dumps(call.get("arguments", {})))}
-        except (json.JSONDecodeError, KeyError, TypeError):
+        call = _hermes_call(body)
+        if call is None:
             return []
         self.calls += 1
-        return [head]
+        return [{"index": self.calls - 1, **call}]
 
 
 def _open_prefix(text: str, start: int) -> int:
