@@ -115,6 +115,15 @@ def serve_manager(
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port.")] = 50050,
     manager_id: Annotated[str, typer.Option(help="Identity in the leader election.")] = "manager-0",
+    standby: Annotated[
+        bool,
+        typer.Option(
+            "--standby",
+            help="Hot standby: serve at once (health: alive; GlobalManager NOT_SERVING, calls refused naming the "
+            "leader) and take the lead whenever the leader goes, however long that takes. Without it the manager "
+            "must lead within 60 s or exit. Clients reach whichever leads (client-side health checking).",
+        ),
+    ] = False,
     member_ttl: Annotated[int, typer.Option(help="Seconds a server stays listed without heartbeats.")] = 10,
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     k8s_statefulset: Annotated[
@@ -188,6 +197,7 @@ def serve_manager(
             host=host,
             port=port,
             manager_id=manager_id,
+            standby=standby,
             block_size=block_size,
             member_ttl_s=member_ttl,
             autoscale=autoscale,

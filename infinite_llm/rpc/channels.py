@@ -41,13 +41,15 @@ def aio_channel(
     return grpc.aio.secure_channel(target, identity.channel_credentials(), options=options, interceptors=chain)
 
 
-def sync_channel(target: str, tls: TlsArg = FROM_PROCESS) -> grpc.Channel:
+def sync_channel(
+    target: str, tls: TlsArg = FROM_PROCESS, extra_options: Sequence[tuple[str, int | str]] = ()
+) -> grpc.Channel:
     """A blocking channel with the shared options (tools, tests); pass ``timeout=`` on each call.
     ``tls``: as for :func:`aio_channel`."""
     identity = resolve(tls)
     if identity is None:
-        return grpc.insecure_channel(target, options=channel_options())
-    options = [*channel_options(), *identity.channel_options()]
+        return grpc.insecure_channel(target, options=[*channel_options(), *extra_options])
+    options = [*channel_options(), *identity.channel_options(), *extra_options]
     return grpc.secure_channel(target, identity.channel_credentials(), options=options)
 
 

@@ -5,6 +5,8 @@ Sizes are bytes, times are seconds unless the option name says ``_ms``.
 
 from __future__ import annotations
 
+import json
+
 # A prefill chunk's AttendStream layer carries queries [tokens, heads, head_dim] plus new K/V: 2048 tokens of a
 # 32-head, 128-dim fp32 model is ~32 MiB of queries alone. gRPC's default receive limit (4 MiB) would
 # refuse it; 256 MiB leaves headroom. Bulk transfers (migration) stream ~1 MiB chunks instead.
@@ -34,6 +36,13 @@ SHUTDOWN_GRACE_S = 30.0
 # other servers (seconds; ``serve attention --drain-timeout``, services/attention/server.py).
 DRAIN_TIMEOUT_S = 60.0
 
+# The global manager's gRPC service: of the managers a client's target lists (a headless Service's pods, or
+# ``ipv4:HOST:PORT,HOST:PORT``), only the leader reports it SERVING (standbys: NOT_SERVING).
+MANAGER_SERVICE = "infinite_llm.v1.GlobalManager"
+# A client following a leader re-resolves its target's DNS name at most this often (milliseconds; gRPC's
+# default is 30 s, so a manager pod that replaced both old ones during a rollout would stay unknown that long).
+DNS_RERESOLVE_MS = 2_000
+
 Options = list[tuple[str, int | str]]
 
 
@@ -61,4 +70,22 @@ def channel_options() -> Options:
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+    ]
+
+
+def serving_only(service: str = MANAGER_SERVICE) -> Options:
+    """Channel options that send every call to a backend whose ``grpc.health.v1`` reports ``service`` SERVING.
+
+    gRPC's client-side health checking (``healthCheckConfig``) over ``round_robin``: the channel connects to
+    every address its target resolves to (a DNS name with one address per replica, such as a headless
+    Kubernetes Service, or ``ipv4:HOST:PORT,HOST:PORT``), watches each one's health, and picks only among
+    those SERVING. With one leading global manager and hot standbys (``serve manager --standby``), calls reach
+    the leader wherever it runs, and move to the next one as soon as it reports SERVING. A single
+    ``HOST:PORT`` target behaves as before. No backend SERVING: calls fail with UNAVAILABLE ("backend
+    unhealthy") unless they wait for ready. Reference: gRPC ``doc/health-checking.md`` (client-side).
+    """
+    config = {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": service}}
+    return [
+        ("grpc.service_config", json.dumps(config, separators=(",", ":"))),
+        ("grpc.dns_min_time_between_resolutions_ms", DNS_RERESOLVE_MS),
     ]

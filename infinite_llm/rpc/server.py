@@ -72,9 +72,13 @@ async def start_server(
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
     tls: TlsArg = FROM_PROCESS,
+    not_serving: Sequence[str] = (),
 ) -> RpcServer:
     """Build, bind (``host:port``; port 0 picks a free one) and start a server for ``services``, with mTLS
     and role checks when ``tls`` (default: the process's identity) is set.
+
+    Health reports SERVING for ``""`` and every service but those named in ``not_serving`` (full service
+    names: a hot standby's, until it leads), which report NOT_SERVING until ``health.set`` says otherwise.
 
     Raises:
         Unavailable: the address cannot be bound.
@@ -96,7 +100,12 @@ async def start_server(
     if identity is not None and tls is FROM_PROCESS and (health_port := take_process_health_port()):
         health_server = await _start_health_only(health, f"{address.rpartition(':')[0]}:{health_port}")
     for name in ("", *(s.name for s in services)):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if name in not_serving
+            else health_pb2.HealthCheckResponse.SERVING
+        )
+        await health.set(name, status)
     security = f"mTLS as {identity.role}" if identity is not None else "plaintext"
     log.info("serving %s on %s (port %d, %s)", ", ".join(s.name for s in services), address, port, security)
     return RpcServer(server, health, port, names, health_server)

@@ -11,13 +11,14 @@ from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import sync_channel
+from infinite_llm.rpc.options import serving_only
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, client_tls
 
 
 def cluster_state(manager_address: str, timeout_s: float = 5.0, tls: TlsArg = FROM_PROCESS) -> mpb.ClusterStateResponse:
     """The manager's view: live attention servers with their rBlocks, compute instances, and the ledger.
     ``tls``: as for the SDK (:func:`~infinite_llm.rpc.tls.client_tls`, the ``client`` role by default)."""
-    with sync_channel(manager_address, tls=client_tls(tls)) as channel:
+    with sync_channel(manager_address, tls=client_tls(tls), extra_options=serving_only()) as channel:
         try:
             return mgrpc.GlobalManagerStub(channel).GetClusterState(mpb.ClusterStateRequest(), timeout=timeout_s)
         except grpc.RpcError as e:

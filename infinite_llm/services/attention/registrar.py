@@ -16,6 +16,7 @@ import grpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import aio_channel
+from infinite_llm.rpc.options import serving_only
 from infinite_llm.services.attention.types import HolderStats
 from infinite_llm.services.lease_keeper import LeaseKeeper
 
@@ -42,7 +43,7 @@ class Registrar:
         occupancy: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None,
         on_stalled: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=5.0))
+        self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=5.0, extra_options=serving_only()))
         self.server_id, self.address, self.block_size, self.node_name = server_id, address, block_size, node_name
         self._stats, self._occupancy = stats, occupancy
         self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat, on_stalled)

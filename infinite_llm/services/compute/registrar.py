@@ -18,6 +18,7 @@ import grpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import aio_channel
+from infinite_llm.rpc.options import serving_only
 from infinite_llm.services.compute.migration import MigrationExecutor, MigrationResult, Order
 from infinite_llm.services.lease_keeper import LeaseKeeper
 
@@ -52,7 +53,9 @@ class ComputeRegistrar:
         home_server_ids: tuple[str, ...] = (),
         node_name: str = "",
     ) -> None:
-        self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=CALL_TIMEOUT_S))
+        self._stub = mgrpc.GlobalManagerStub(
+            aio_channel(manager_address, timeout_s=CALL_TIMEOUT_S, extra_options=serving_only())
+        )
         self.instance_id, self.address = instance_id, address
         self.home_server_ids, self.node_name = home_server_ids, node_name
         self._load = load

@@ -26,6 +26,7 @@ from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import sync_channel
+from infinite_llm.rpc.options import serving_only
 
 log = logging.getLogger(__name__)
 CAPACITY_REFRESH_S = 1.0  # how stale the cluster's capacity view may be before it is read again (seconds)
@@ -51,7 +52,7 @@ class ManagerPlacement:
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.instance_id = instance_id
-        self._manager = mgrpc.GlobalManagerStub(sync_channel(manager_address))
+        self._manager = mgrpc.GlobalManagerStub(sync_channel(manager_address, extra_options=serving_only()))
         self._addresses: dict[HolderId, str] = {}
         self._lock = threading.Lock()
         self._capacity = (0, 0, 0.0)  # (total, free, read at monotonic time)

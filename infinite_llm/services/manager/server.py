@@ -6,15 +6,29 @@ with status 1 instead of staying up as a follower nobody routes to: its in-memor
 migrations in flight, reconciliation passes) belongs to the term it lost, and a fresh process (Kubernetes'
 restart, ``up``'s supervision) campaigns and rebuilds it from etcd, as any new leader does. Kubernetes'
 leader-elected controllers do the same (client-go's ``OnStoppedLeading``).
+
+A **hot standby** (``--standby``) serves before it leads: it binds its port at once, reports ``""`` SERVING
+(alive: Kubernetes keeps it Ready, so a rolling update proceeds) and the GlobalManager service NOT_SERVING,
+refuses every GlobalManager call with UNAVAILABLE naming the leader, and campaigns every
+``STANDBY_CAMPAIGN_S``. Once it leads it loads the cluster from etcd, starts its loops and reports the
+service SERVING. Clients dial every manager at once (a headless Service, or ``ipv4:A,B``) with
+:func:`~infinite_llm.rpc.options.serving_only`: gRPC's client-side health checking sends their calls to the
+one that reports SERVING, and moves them when another does. Failover takes the old leader's session lease
+(``leader_ttl_s``) after a crash, one campaign period after a graceful stop (the leader resigns).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import signal
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
@@ -22,11 +36,14 @@ from infinite_llm.observability.metrics import ManagerMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
 from infinite_llm.rpc.certs import ETCD_CLIENT
-from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
+from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
+from infinite_llm.rpc.interceptors._wrap import wrap_handler
+from infinite_llm.rpc.options import MANAGER_SERVICE, SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsConfig, load_tls_dir, resolve
 from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, KubernetesScaler
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
+from infinite_llm.services.manager.leadership import NotLeader
 from infinite_llm.services.manager.manager import GlobalManager, ManagerConfig
 from infinite_llm.services.manager.rebalance import PLAN_INTERVAL_S
 from infinite_llm.services.manager.reconcile import Reconciler
@@ -36,6 +53,7 @@ from infinite_llm.state.etcd_store import EtcdStore
 log = logging.getLogger(__name__)
 LEADERSHIP_CHECK_S = 0.5  # how often the process checks that it still leads (seconds)
 EXIT_LOST_LEADERSHIP = 1
+STANDBY_CAMPAIGN_S = 0.5  # how often a standby tries to take the lead (seconds): one etcd transaction each
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,7 @@ class ManagerServerConfig:
     metrics_port: int = 0  # Prometheus /metrics (0 = off)
     shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, calls in flight get this long (seconds)
     autoscale: AutoscaleSettings | None = None  # scale the attention StatefulSet (in a Kubernetes pod only)
+    standby: bool = False  # serve as a hot standby until leading, however long (else lead within acquire_timeout_s)
 
     def __post_init__(self) -> None:
         host, _, port = self.etcd.removeprefix("https://").rpartition(":")
@@ -92,7 +111,8 @@ class ManagerServerConfig:
 
 async def serve(config: ManagerServerConfig) -> int:
     """Lead, serve until SIGINT/SIGTERM (returns 0) or until leadership is lost (returns
-    ``EXIT_LOST_LEADERSHIP``), then stop gracefully."""
+    ``EXIT_LOST_LEADERSHIP``), then stop gracefully. With ``config.standby``, serve as a hot standby first
+    (module docstring); a stop signal while standing by returns 0."""
     setup_tracing("manager")
     scale = config.autoscale
     scaler = None if scale is None else KubernetesScaler.in_cluster(scale.statefulset, scale.namespace)  # fail fast
@@ -111,16 +131,34 @@ async def serve(config: ManagerServerConfig) -> int:
             settle_s=config.member_ttl_s,  # members whose leases lapsed with the last leader register again
         ),
     )
-    await manager.start(acquire_timeout_s=config.acquire_timeout_s)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     registry = CollectorRegistry()
     reconciler = Reconciler(
         manager, manager.drains, interval_s=max(config.member_ttl_s / 4, 0.5), settle_s=config.member_ttl_s
     )
     servicer = GlobalManagerServicer(manager, ManagerMetrics(registry), reconciler.reports)
-    serve_metrics(registry, config.metrics_port, config.host)
     holder.append(servicer)
     service = Service.of(manager_pb2, "GlobalManager", manager_pb2_grpc.add_GlobalManagerServicer_to_server, servicer)
-    server = await start_server([service], f"{config.host}:{config.port}")
+    interceptors = [RequestIdInterceptor(), ErrorMappingInterceptor(), LeaderOnly(manager)]
+    address = f"{config.host}:{config.port}"
+    server = None
+    if config.standby:
+        server = await start_server([service], address, interceptors=interceptors, not_serving=[service.name])
+        serve_metrics(registry, config.metrics_port, config.host)
+        log.info("global manager %s standing by on %s:%d; campaigning", config.manager_id, config.host, server.port)
+        if not await _lead_unless_stopped(stop, manager):
+            log.info("global manager %s stopped while standing by", config.manager_id)
+            await server.stop(0)
+            await manager.stop(resign=True)
+            await store.close()
+            return 0
+        await server.health.set(service.name, health_pb2.HealthCheckResponse.SERVING)
+    else:
+        await manager.start(acquire_timeout_s=config.acquire_timeout_s)
+        server = await start_server([service], address, interceptors=interceptors)
+        serve_metrics(registry, config.metrics_port, config.host)
     reconciler.start()
     manager.rebalancer.start(PLAN_INTERVAL_S)
     log.info("global manager %s leading, listening on %s:%d", config.manager_id, config.host, server.port)
@@ -134,9 +172,6 @@ async def serve(config: ManagerServerConfig) -> int:
             scale.policy.min_replicas,
             scale.policy.max_replicas,
         )
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     lost = not await _until_stopped_or_not_leading(stop, manager)
     if lost:
         log.error(
@@ -152,6 +187,49 @@ async def serve(config: ManagerServerConfig) -> int:
     await manager.stop()
     await store.close()
     return EXIT_LOST_LEADERSHIP if lost else 0
+
+
+async def _lead_unless_stopped(stop: asyncio.Event, manager: GlobalManager) -> bool:
+    """Start ``manager`` and campaign every ``STANDBY_CAMPAIGN_S`` until it leads (True) or ``stop`` is set
+    (False)."""
+    leading = asyncio.create_task(manager.start(acquire_timeout_s=math.inf, poll_s=STANDBY_CAMPAIGN_S))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({leading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not leading.done():
+        leading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await leading
+        return False
+    leading.result()  # raises what starting raised
+    return not stop.is_set()
+
+
+class LeaderOnly(grpc.aio.ServerInterceptor):
+    """Refuses every GlobalManager call with UNAVAILABLE (:class:`NotLeader`, naming the leader) while this
+    manager does not lead: a standby's state is not loaded, and a manager that just lost the lead exits."""
+
+    def __init__(self, manager: GlobalManager) -> None:
+        self._manager = manager
+
+    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+        handler = await continuation(handler_call_details)
+        if not handler_call_details.method.startswith(f"/{MANAGER_SERVICE}/"):
+            return handler
+        manager = self._manager
+
+        @contextlib.asynccontextmanager
+        async def leading(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+            if not manager.is_leader:
+                try:
+                    leader = await manager.leadership.leader_id()
+                except Exception as e:  # noqa: BLE001 (the refusal stands; etcd's state is only a hint)
+                    leader = f"unknown ({e})"
+                me = manager.config.manager_id
+                raise NotLeader(f"global manager {me} is standing by; the leader is {leader or 'nobody yet'}")
+            yield
+
+        return wrap_handler(handler, leading)
 
 
 async def _until_stopped_or_not_leading(stop: asyncio.Event, manager: GlobalManager) -> bool:

@@ -18,6 +18,7 @@ import grpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import aio_channel
+from infinite_llm.rpc.options import serving_only
 
 log = logging.getLogger(__name__)
 DEFAULT_INTERVAL_S = 1.0  # how often the router re-reads the list (seconds); well under a lease TTL
@@ -37,7 +38,7 @@ class ComputeDiscovery:
         self.manager_address = manager_address
         self.interval_s = interval_s
         self._on_change = on_change
-        self._channel = aio_channel(manager_address, timeout_s=max(interval_s, 2.0))
+        self._channel = aio_channel(manager_address, timeout_s=max(interval_s, 2.0), extra_options=serving_only())
         self._stub = mgrpc.GlobalManagerStub(self._channel)
         self._known: dict[str, str] | None = None
         self._task: asyncio.Task | None = None
