@@ -17,7 +17,14 @@ STATUS_ROLES = ("client", "manager", "router", "gateway", "compute", "attention"
 
 
 def status(
-    manager: Annotated[str, typer.Option(help="Global manager HOST:PORT.")] = "127.0.0.1:50050",
+    manager: Annotated[
+        str,
+        typer.Option(
+            help="Global manager HOST:PORT, or a gRPC target naming every manager "
+            "(dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): "
+            "calls go to the leader."
+        ),
+    ] = "127.0.0.1:50050",
     tls_dir: TlsDir = None,
     tls_role: Annotated[
         str,

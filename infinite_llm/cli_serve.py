@@ -46,7 +46,13 @@ def serve_attention(
     server_id: Annotated[str, typer.Option(help="Stable identity (registration key).")] = "attn-0",
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port (0 = any free one).")] = 50060,
-    manager: Annotated[str, typer.Option(help="Global manager HOST:PORT to register with ('' = none).")] = "",
+    manager: Annotated[
+        str,
+        typer.Option(
+            help="Global manager HOST:PORT to register with ('' = none), or a gRPC target naming every manager "
+            "(dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): calls go to the leader."
+        ),
+    ] = "",
     advertise_host: Annotated[str, typer.Option(help="Host others reach this server at (default --host).")] = "",
     model: Model = None,
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
@@ -218,7 +224,14 @@ def serve_manager(
 
 @serve_app.command("compute")
 def serve_compute(
-    manager: Annotated[str, typer.Option(help="Global manager HOST:PORT.")] = "127.0.0.1:50050",
+    manager: Annotated[
+        str,
+        typer.Option(
+            help="Global manager HOST:PORT, or a gRPC target naming every manager "
+            "(dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): "
+            "calls go to the leader."
+        ),
+    ] = "127.0.0.1:50050",
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port.")] = 50070,
     instance_id: Annotated[str, typer.Option(help="Identity: its registration with the manager, logs, stats.")] = (
@@ -312,7 +325,11 @@ def serve_compute(
 @serve_app.command("router")
 def serve_router(
     manager: Annotated[
-        str, typer.Option(help="Global manager HOST:PORT: send requests to the compute instances it lists.")
+        str,
+        typer.Option(
+            help="Global manager HOST:PORT (or a target naming every manager, as for serve compute): send requests "
+            "to the compute instances it lists."
+        ),
     ] = "",
     compute: Annotated[
         list[str] | None,

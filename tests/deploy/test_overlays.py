@@ -99,6 +99,7 @@ def test_production_budgets_keep_quorum_and_capacity_through_drains(rendered):
         "etcd": ("etcd", 3, {"minAvailable": 2}),  # quorum of 3
         "attention": ("attention", None, {"maxUnavailable": 1}),  # rBlocks of one server are recomputed at a time
         "compute": ("compute", 2, {"minAvailable": 1}),
+        "manager": ("manager", 2, {"minAvailable": 1}),  # the leader or its hot standby
         "router": ("router", 2, {"minAvailable": 1}),
         "gateway": ("gateway", 2, {"minAvailable": 1}),
     }

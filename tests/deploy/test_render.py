@@ -84,7 +84,9 @@ def test_render_has_the_whole_mesh(rendered, name):
         ("StatefulSet", "etcd"),
     ]
     if name == "production":
-        expected += [("PodDisruptionBudget", n) for n in ("attention", "compute", "etcd", "gateway", "router")]
+        expected += [
+            ("PodDisruptionBudget", n) for n in ("attention", "compute", "etcd", "gateway", "manager", "router")
+        ]
     else:  # certificates from the tls-bootstrap Job (production: cert-manager, test_tls.py)
         expected += [(k, "tls-bootstrap") for k in ("Job", "Role", "RoleBinding", "ServiceAccount")]
     assert kinds == sorted(expected)

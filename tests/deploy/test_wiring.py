@@ -123,7 +123,6 @@ def test_manager_role_grants_only_what_the_autoscaler_calls(rendered, render):
     assert one(docs, "ServiceAccount", "manager")["automountServiceAccountToken"] is False  # opted in by its pod
     manager = one(docs, "Deployment", "manager")
     assert manager["spec"]["template"]["spec"]["serviceAccountName"] == "manager"
-    assert manager["spec"]["replicas"] == 1 and manager["spec"]["strategy"] == {"type": "Recreate"}
     # The calls k8s_client makes are exactly those verbs on that subresource.
     calls = []
 
@@ -148,6 +147,30 @@ def sources(docs: list[dict], rule: dict) -> list[str] | str:
 
 
 @pytest.mark.parametrize("render", RENDERS)
+def test_managers_are_a_leader_and_hot_standbys_that_clients_reach_through_a_headless_service(rendered, render):
+    """Every manager runs --standby and every client dials all of them (a headless Service behind dns:///), so
+    calls reach whichever leads (client-side health checking, tests/services/manager/test_standby.py). A
+    rollout starts the new pod before stopping an old one, and the replicas prefer different nodes."""
+    docs = rendered[render]
+    manager = one(docs, "Deployment", "manager")
+    assert "--standby" in main_container(manager)["args"]
+    assert manager["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    assert manager["spec"]["replicas"] == (1 if render == "dev" else 2)
+    term = manager["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = term["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert names(selected(docs, term["labelSelector"], NS)) == ["manager"]
+    assert one(docs, "Service", "manager")["spec"]["clusterIP"] == "None"
+    address = config_data(docs, main_container(manager))["MANAGER_ADDRESS"]
+    assert address == "dns:///manager:50050"
+    for kind, name in (("StatefulSet", "attention"), ("Deployment", "compute"), ("Deployment", "router")):
+        assert arg_value(main_container(one(docs, kind, name)), "--manager") == "$(MANAGER_ADDRESS)"
+
+
+@pytest.mark.parametrize("render", RENDERS)
 def test_network_policies_let_only_mesh_components_in(rendered, render):
     docs = rendered[render]
     got = {}
@@ -162,7 +185,10 @@ def test_network_policies_let_only_mesh_components_in(rendered, render):
     assert got == {
         # gRPC only from mesh components; the metrics port (no KV, no control) from any scraper.
         "attention": (["attention"], [(["attention", "compute", "manager"], ["grpc"]), ("anyone", ["metrics"])]),
-        "manager": (["manager"], [(["attention", "compute", "router"], ["grpc"]), ("anyone", ["metrics"])]),
+        "manager": (
+            ["manager"],
+            [(["attention", "compute", "manager", "router"], ["grpc"]), ("anyone", ["metrics"])],
+        ),
         "etcd": (["etcd"], [(["etcd", "manager"], ["grpc"]), (["etcd"], ["peer"])]),
     }
 
