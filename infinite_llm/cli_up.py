@@ -35,6 +35,13 @@ def up(
     kv_memory: Annotated[str, typer.Option(help="KV memory per attention server, e.g. 64MiB.")] = "64MiB",
     port: Annotated[int, typer.Option(help="Router port.")] = 50051,
     manager_port: Annotated[int, typer.Option(help="Manager port (0 = any free one).")] = 50050,
+    standby_managers: Annotated[
+        int,
+        typer.Option(
+            help="Hot-standby managers beside the leader (serve manager --standby, on free ports): kill the "
+            "leader and one of them leads; every client follows.",
+        ),
+    ] = 0,
     model: Model = None,
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     gateway_port: Annotated[int, typer.Option(help="OpenAI-compatible REST gateway port (0 = any free one).")] = 8000,
@@ -59,6 +66,7 @@ def up(
         kv_memory_bytes=kv_memory_option(kv_memory),
         router_port=port,
         manager_port=manager_port,
+        standby_managers=standby_managers,
         model=model,
         block_size=block_size,
         gateway_port=gateway_port,

@@ -49,7 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import Unavailable
 from infinite_llm.parent_death import dying_with_parent, unwrapped
-from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
+from infinite_llm.rpc.options import MANAGER_SERVICE, SHUTDOWN_GRACE_S
 from infinite_llm.rpc.tls import TLS_DIR_ENV, TlsConfig, load_tls_dir
 from infinite_llm.run_dir_reaper import STOPPED, drop_made
 from infinite_llm.state.etcd_launcher import EtcdProcess, EtcdTls, free_port, start_etcd
@@ -69,6 +69,7 @@ class MeshConfig:
     kv_memory_bytes: int = 64 << 20
     router_port: int = 50051
     manager_port: int = 0
+    standby_managers: int = 0  # hot standbys (serve manager --standby) beside the leader, each on a free port
     model: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     transport: str = "grpc"  # attention tensors: grpc, or torch (torch.distributed over gloo on loopback)
@@ -88,6 +89,8 @@ class MeshConfig:
     def __post_init__(self) -> None:
         if self.attention_servers < 1 or self.compute_instances < 1:
             raise ValueError("a mesh needs at least one attention server and one compute instance")
+        if self.standby_managers < 0:
+            raise ValueError(f"standby_managers must be >= 0, got {self.standby_managers}")
         if not 0 <= self.service_nice <= 19:
             raise ValueError(f"service_nice must be in [0, 19], got {self.service_nice}")
 
@@ -133,7 +136,12 @@ class LocalMesh:
 
     @property
     def manager_address(self) -> str:
-        return self._by_role("manager")[0].address
+        """The manager's ``HOST:PORT``; with standbys, a gRPC target naming every manager (``ipv4:A,B``), on
+        which the mesh's clients reach whichever leads (``rpc/options.py::serving_only``)."""
+        managers = self._by_role("manager")
+        if len(managers) == 1:
+            return managers[0].address
+        return "ipv4:" + ",".join(p.address for p in managers)
 
     def tls(self, role: str) -> TlsConfig | None:
         """The identity of ``role`` in this mesh (None when it runs plaintext)."""
@@ -166,23 +174,21 @@ class LocalMesh:
             tls = EtcdTls.from_etcd_tls_dir(self.etcd_tls_dir) if self.etcd_tls_dir else None  # the manager only
             self.etcd = start_etcd(data_dir=self.log_dir / "etcd", tls=tls)
             self._start_reaper(self.etcd.process.pid)
-            manager_port = c.manager_port or free_port()
             etcd_tls = ["--etcd-tls-dir", str(self.etcd_tls_dir)] if self.etcd_tls_dir else []
-            self._spawn(
-                "manager",
-                "manager-0",
-                manager_port,
-                [
-                    "--etcd",
-                    self.etcd.endpoint.removeprefix("http://"),
-                    *etcd_tls,
-                    "--member-ttl",
-                    str(c.member_ttl_s),
-                    "--block-size",
-                    str(c.block_size),
-                ],
-            )
-            self._wait_healthy(self._by_role("manager"))
+            manager_args = [
+                "--etcd",
+                self.etcd.endpoint.removeprefix("http://"),
+                *etcd_tls,
+                "--member-ttl",
+                str(c.member_ttl_s),
+                "--block-size",
+                str(c.block_size),
+            ]
+            standby = ["--standby"] if c.standby_managers else []
+            for i in range(1 + c.standby_managers):  # manager-0 first: it leads (a standby leads when none does)
+                port = (c.manager_port or free_port()) if i == 0 else free_port()
+                self._spawn("manager", f"manager-{i}", port, [*manager_args, "--manager-id", f"manager-{i}", *standby])
+                self._wait_healthy(self._by_role("manager")[-1:], check=self._leads if i == 0 and standby else None)
             for i in range(c.attention_servers):
                 self.spawn_attention(f"attn-{i}")
             for j in range(c.compute_instances):
@@ -316,6 +322,10 @@ class LocalMesh:
         proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address)
         self.procs.append(proc)
         return proc
+
+    def _leads(self, address: str) -> bool:
+        """Whether the manager at ``address`` reports the GlobalManager service SERVING (it leads)."""
+        return health_check(address, tls=self.tls("client"), service=MANAGER_SERVICE)
 
     def _wait_healthy(self, procs: list[Proc], check: Callable[[str], bool] | None = None) -> None:
         """Wait until ``check`` (default: the gRPC health check) passes for each of ``procs``."""
@@ -465,14 +475,15 @@ def _env(role: str) -> dict[str, str]:
     return env
 
 
-def health_check(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> bool:
-    """True when ``address`` answers grpc.health.v1 with SERVING for the whole server (over mTLS as
-    ``tls``'s identity; None: plaintext)."""
+def health_check(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None, service: str = "") -> bool:
+    """True when ``address`` answers grpc.health.v1 with SERVING for ``service`` (default: the whole server;
+    over mTLS as ``tls``'s identity; None: plaintext)."""
     from infinite_llm.rpc.channels import sync_channel
 
     with sync_channel(address, tls=tls) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

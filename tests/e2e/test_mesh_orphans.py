@@ -1,8 +1,9 @@
-"""Faults under load leave no orphans (issue 11): after a compute instance SIGKILL, a manager SIGKILL and
-restart, an etcd restart, and an attention server paused past its lease, the ledger is empty and every rBlock
-is free again within one lease period of the requests ending; requests that outlive a manager or etcd outage,
-or a paused server, finish with the undisturbed greedy output; a router told to stop (SIGTERM) refuses new
-requests and lets those in flight finish. Each test prints its figures."""
+"""Faults under load leave no orphans (issue 11): after a compute instance SIGKILL, a leading manager SIGKILL
+(its hot standby takes the lead; it comes back as the standby), an etcd restart, and an attention server
+paused past its lease, the ledger is empty and every rBlock is free again within one lease period of the
+requests ending; requests that outlive a manager failover, an etcd outage or a paused server finish with the
+undisturbed greedy output; a router told to stop (SIGTERM) refuses new requests and lets those in flight
+finish. Each test prints its figures."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from infinite_llm.client import Client
 from infinite_llm.client.errors import Unavailable
 from infinite_llm.mesh import LocalMesh, health_check
+from infinite_llm.rpc.options import MANAGER_SERVICE
 from infinite_llm.services.admin import cluster_state
 from infinite_llm.state.etcd_launcher import start_etcd
 from tests.e2e.conftest import all_blocks_free, mesh_config, wait_until
@@ -30,7 +32,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def fault_mesh(default_model_path):
-    with LocalMesh(mesh_config(member_ttl_s=TTL_S)) as m:
+    with LocalMesh(mesh_config(member_ttl_s=TTL_S, standby_managers=1)) as m:  # clients dial both managers
         yield m
 
 
@@ -137,32 +139,58 @@ def _serves(client: Client) -> bool:
         return False
 
 
-def test_requests_outlive_a_manager_sigkill_and_restart_with_identical_output(fault_mesh, references):
+def _leads(mesh: LocalMesh, address: str) -> bool:
+    return health_check(address, tls=mesh.tls("client"), service=MANAGER_SERVICE)
+
+
+def _listed(mesh: LocalMesh) -> tuple[int, int]:
+    """(attention servers, compute instances) the leader lists, asked through the mesh's own target."""
+    try:
+        state = cluster_state(mesh.manager_address, tls=mesh.tls("client"))
+    except Exception:  # noqa: BLE001 - no manager leads yet
+        return (-1, -1)
+    return len(state.servers), len(state.compute_instances)
+
+
+def test_requests_outlive_a_leader_sigkill_as_its_standby_takes_the_lead_with_identical_output(fault_mesh, references):
+    """The hot standby leads once the dead leader's session lease lapses; every client (attention servers,
+    the compute instance, the router, ``status``) follows it on the same ``ipv4:A,B`` target."""
     mesh = fault_mesh
     ref = references(48)
+    leader, standby = [p for p in mesh.procs if p.role == "manager"]
+    assert mesh.manager_address == f"ipv4:{leader.address},{standby.address}"
+    assert _leads(mesh, leader.address) and not _leads(mesh, standby.address)
+    assert health_check(standby.address, tls=mesh.tls("client"))  # alive, standing by
     with Client(mesh.router_address) as client:
         short_ids = client.tokenize(TEXT[:200])[:20]  # + 4 new tokens: within its first 2 rBlocks
         short_ref = client.generate(short_ids, max_tokens=4, **GREEDY).token_ids
     streams = Streams(mesh, PROMPTS, max_tokens=48)
     streams.wait_tokens(3)
-    short = Streams(mesh, [short_ids], max_tokens=4)  # ends while the manager is away
+    short = Streams(mesh, [short_ids], max_tokens=4)  # ends while no manager leads
     short.wait_tokens(1)
-    (manager,) = [p for p in mesh.procs if p.role == "manager"]
-    manager.popen.kill()
-    time.sleep(1.0)
-    mesh.respawn(manager)
+    leader.popen.kill()
+    killed = time.monotonic()
+    assert wait_until(lambda: _leads(mesh, standby.address), 30), "the standby never took the lead"
+    took_lead_s = time.monotonic() - killed
     streams.join()
     short.join()
     assert (streams.errors, short.errors) == ([None, None], [None])
-    assert (streams.tokens, short.tokens) == (ref, [short_ref])
+    assert (streams.tokens, short.tokens) == (ref, [short_ref])  # sequences needing rBlocks waited, then went on
+    # The new leader lists the servers and the instance that registered with the old one, and places anew.
+    assert wait_until(lambda: _listed(mesh) == (3, 1), 4 * TTL_S), _listed(mesh)
+    with Client(mesh.router_address) as client:
+        assert client.generate(PROMPTS[1], max_tokens=48, **GREEDY).token_ids == ref[1]
     clean_s = seconds_to_clean(mesh, 4 * TTL_S)
-    # A release the manager could not take was freed on the servers, and its ledger entry reconciled.
+    # A release no manager could take was freed on the servers, and the new leader reconciled its entry.
     (compute,) = mesh.compute_instances()
     freed = re.findall(r"freed \d+ rBlocks of (\S+) on its holders directly", compute.log_path.read_text())
-    reclaimed = re.findall(r"reclaimed orphan \w+ of sequence (\S+)", manager.log_path.read_text())
+    reclaimed = re.findall(r"reclaimed orphan \w+ of sequence (\S+)", standby.log_path.read_text())
     assert freed and set(freed) <= set(reclaimed), (freed, reclaimed)
-    print(f"manager SIGKILL + restart: {len(freed)} releases taken by the servers during the outage, reconciled;")
-    print(f"  no orphans {clean_s:.1f} s after the streams ended")
+    mesh.respawn(leader)  # as Kubernetes restarts its pod: it comes back as the standby
+    assert wait_until(lambda: health_check(leader.address, tls=mesh.tls("client")), 60)
+    assert not _leads(mesh, leader.address) and _leads(mesh, standby.address)
+    print(f"leader SIGKILLed mid-decode: the standby led {took_lead_s:.1f} s later (the dead leader's session lease);")
+    print(f"  {len(freed)} releases taken by the servers meanwhile, reconciled; no orphans {clean_s:.1f} s after")
 
 
 def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh, references):
@@ -177,7 +205,11 @@ def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh, refe
     streams.join()
     assert streams.errors == [None, None]
     assert streams.tokens == ref
-    print(f"etcd down 3 s: no orphans {seconds_to_clean(mesh, 4 * TTL_S):.1f} s after the streams ended")
+    clean_s = seconds_to_clean(mesh, 4 * TTL_S)
+    # The leader rode the outage out, and so did its standby (its campaigns failed meanwhile, and it retried).
+    leaders = [p for p in mesh.procs if p.role == "manager" and _leads(mesh, p.address)]
+    assert len(leaders) == 1 and all(p.alive() for p in mesh.procs if p.role == "manager")
+    print(f"etcd down 3 s: no orphans {clean_s:.1f} s after the streams ended")
 
 
 @pytest.mark.step_recoveries  # it stops an attention server mid-step

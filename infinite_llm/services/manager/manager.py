@@ -117,13 +117,12 @@ class GlobalManager:
         self.migrations.prefix_index = self.prefix.index  # moved shared rBlocks: the index follows them
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    async def start(self, acquire_timeout_s: float | None = None, poll_s: float = 0.2) -> None:
+    async def start(self, acquire_timeout_s: float | None = None) -> None:
         """Rebuild members, ledger totals and the view from etcd, watch members, and campaign.
 
         Args:
-            acquire_timeout_s: wait up to this many seconds to lead (raise ``NotLeader`` after; ``math.inf``:
-                however long), campaigning every ``poll_s`` seconds; ``None``: campaign once and start as a
-                follower if another manager leads.
+            acquire_timeout_s: wait up to this many seconds to lead (raise ``NotLeader`` after; 0: campaign
+                once); ``None``: campaign once and start as a follower if another manager leads.
         """
         await self._load_placed()
         await self.membership.start()
@@ -132,12 +131,12 @@ class GlobalManager:
             await self.leadership.campaign()
             await self.prefix.index.load()
         else:
-            await self.acquire_leadership(acquire_timeout_s, poll_s)
+            await self.acquire_leadership(acquire_timeout_s)
 
-    async def acquire_leadership(self, timeout_s: float, poll_s: float = 0.2) -> None:
-        """Become leader within ``timeout_s`` seconds (campaigning every ``poll_s``), then reload what the
-        previous leader placed."""
-        await self.leadership.acquire(timeout_s, poll_s)
+    async def acquire_leadership(self, timeout_s: float) -> None:
+        """Become leader within ``timeout_s`` seconds (0: one campaign), then reload what the previous leader
+        placed. Raises ``NotLeader`` when another manager still leads then."""
+        await self.leadership.acquire(timeout_s)
         await self._load_placed()
         await self.prefix.index.load()
         for member in self.membership.members():

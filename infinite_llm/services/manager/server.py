@@ -22,16 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
+from infinite_llm.core.errors import Unavailable
 from infinite_llm.observability.metrics import ManagerMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
@@ -51,6 +52,7 @@ from infinite_llm.services.manager.servicer import GlobalManagerServicer
 from infinite_llm.state.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 LEADERSHIP_CHECK_S = 0.5  # how often the process checks that it still leads (seconds)
 EXIT_LOST_LEADERSHIP = 1
 STANDBY_CAMPAIGN_S = 0.5  # how often a standby tries to take the lead (seconds): one etcd transaction each
@@ -190,19 +192,54 @@ async def serve(config: ManagerServerConfig) -> int:
 
 
 async def _lead_unless_stopped(stop: asyncio.Event, manager: GlobalManager) -> bool:
-    """Start ``manager`` and campaign every ``STANDBY_CAMPAIGN_S`` until it leads (True) or ``stop`` is set
-    (False)."""
-    leading = asyncio.create_task(manager.start(acquire_timeout_s=math.inf, poll_s=STANDBY_CAMPAIGN_S))
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({leading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if not leading.done():
-        leading.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await leading
+    """Start ``manager`` (load the cluster, watch members) and campaign every ``STANDBY_CAMPAIGN_S`` until it
+    leads with the cluster reloaded (True) or ``stop`` is set (False). A campaign or reload that etcd fails
+    is retried, not fatal: a standby outlives etcd's restarts as the leader does. Raises what starting raises
+    (etcd unreachable at start)."""
+    try:
+        if await _unless_stopped(stop, _led(manager.start(acquire_timeout_s=0))):
+            return True
+        failing = False
+        while True:
+            await _unless_stopped(stop, asyncio.sleep(STANDBY_CAMPAIGN_S))
+            try:  # a reload that failed after a won campaign is redone: the next campaign finds the key ours
+                if await _unless_stopped(stop, _led(manager.acquire_leadership(0))):
+                    return True
+                failing = False
+            except Unavailable as e:
+                if not failing:
+                    log.warning("global manager %s cannot campaign (%s); retrying", manager.config.manager_id, e)
+                failing = True
+    except _Stopped:
         return False
-    leading.result()  # raises what starting raised
-    return not stop.is_set()
+
+
+async def _led(attempt: Awaitable[None]) -> bool:
+    """Whether ``attempt`` (one campaign, then the reload if it won) completed; False: another manager leads."""
+    try:
+        await attempt
+    except NotLeader:
+        return False
+    return True
+
+
+class _Stopped(Exception):
+    """The stop signal came first (:func:`_unless_stopped`)."""
+
+
+async def _unless_stopped(stop: asyncio.Event, attempt: Awaitable[T]) -> T:
+    """``attempt``'s result, unless ``stop`` is set first: then ``attempt`` is cancelled and :class:`_Stopped`
+    raised. Raises what ``attempt`` raises."""
+    task = asyncio.ensure_future(attempt)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise _Stopped
+    return task.result()
 
 
 class LeaderOnly(grpc.aio.ServerInterceptor):
