@@ -102,15 +102,20 @@ def setup_tracing(service: str) -> bool:
 
 
 def _instrument_grpc() -> None:
+    """Spans for every gRPC call but ``grpc.health.v1``: probes are noise, and the aio server interceptor
+    breaks ``Health/Watch`` (it iterates the handler as an async generator; grpcio-health-checking's writes
+    to its context), the stream gRPC's client-side health checking rides (``rpc/options.py::serving_only``)."""
     from opentelemetry.instrumentation.grpc import (
         GrpcAioInstrumentorClient,
         GrpcAioInstrumentorServer,
         GrpcInstrumentorClient,
+        filters,
     )
 
-    GrpcAioInstrumentorServer().instrument()
-    GrpcAioInstrumentorClient().instrument()
-    GrpcInstrumentorClient().instrument()
+    not_health = filters.negate(filters.health_check())
+    GrpcAioInstrumentorServer(filter_=not_health).instrument()
+    GrpcAioInstrumentorClient(filter_=not_health).instrument()
+    GrpcInstrumentorClient(filter_=not_health).instrument()
 
 
 def tracer(name: str = "infinite_llm") -> trace.Tracer:

@@ -121,8 +121,39 @@ async def _start_health_only(health: health_aio.HealthServicer, address: str) ->
     return server
 
 
-def _add_health(server: grpc.aio.Server) -> health_aio.HealthServicer:
-    health = health_aio.HealthServicer()
+class HealthServicer(health_aio.HealthServicer):
+    """grpcio-health-checking's asyncio servicer with ``Watch`` as an async generator.
+
+    Its own ``Watch`` is a coroutine that writes to its context; a server interceptor that iterates a
+    server-streaming handler's responses (OpenTelemetry's aio server instrumentation does) fails it with a
+    TypeError, and gRPC's client-side health checking, which rides ``Watch``
+    (``rpc/options.py::serving_only``), then sees every backend unhealthy. Same protocol and states (the
+    library's, read through its attributes): the current status first, then each change; statuses that
+    change faster than the peer reads may be skipped (only the eventual one matters).
+    """
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context):  # noqa: ANN001, ANN201, N802
+        service = request.service
+        condition = self._server_watchers[service]
+        self._watcher_count_by_service[service] += 1
+        last = None
+        try:
+            async with condition:
+                while True:
+                    status = self._server_status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                    if status != last:
+                        yield health_pb2.HealthCheckResponse(status=status)
+                    last = status
+                    await condition.wait()
+        finally:
+            self._watcher_count_by_service[service] -= 1
+            if self._watcher_count_by_service[service] == 0:
+                del self._server_watchers[service]
+                del self._watcher_count_by_service[service]
+
+
+def _add_health(server: grpc.aio.Server) -> HealthServicer:
+    health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     return health
 

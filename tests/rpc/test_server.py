@@ -199,3 +199,36 @@ def test_a_slow_handshake_gets_the_calls_deadline_not_a_quarter_second():
     code, seconds = code_after(lambda: asyncio.run(aio_call()))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds >= 1.9, (code, seconds)
     listener.close()
+
+
+def test_health_watch_streams_through_an_interceptor_that_iterates_streamed_responses():
+    """OpenTelemetry's aio server instrumentation iterates a server-streaming handler's responses; the stock
+    asyncio health servicer's Watch writes to its context instead and failed under it (TypeError), which made
+    gRPC's client-side health checking (``serving_only``) see every manager unhealthy. Ours yields."""
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    from infinite_llm.rpc.options import serving_only
+
+    async def scenario():
+        servicer = ProbeServicer()
+        service = Service.of(pb, "AttentionServer", pb_grpc.add_AttentionServerServicer_to_server, servicer)
+        server = await start_server(
+            [service], "127.0.0.1:0", interceptors=[aio_server_interceptor()], tls=None, not_serving=[SERVICE]
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
+                assert (await call.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+                await server.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+                assert (await call.read()).status == health_pb2.HealthCheckResponse.SERVING
+                call.cancel()
+            # gRPC's own client-side health checking over the same Watch: calls are admitted once SERVING
+            async with aio_channel(f"127.0.0.1:{server.port}", tls=None, extra_options=serving_only(SERVICE)) as ch:
+                reply = await pb_grpc.AttentionServerStub(ch).FreeSequence(
+                    pb.FreeSequenceRequest(seq_id="s"), timeout=5
+                )
+                assert reply.num_freed == 7
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
