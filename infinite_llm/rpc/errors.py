@@ -84,6 +84,12 @@ def _trailer(e: grpc.RpcError, key: str) -> str | None:
     return None
 
 
+def describe_rpc_error(e: grpc.RpcError) -> str:
+    """``CODE: details`` of a failed call, for logs and the errors that quote it."""
+    code = e.code()  # type: ignore[attr-defined]
+    return f"{code.name if code else 'error'}: {e.details()}"  # type: ignore[attr-defined]
+
+
 def error_from_rpc(e: grpc.RpcError) -> InfiniteLLMError:
     """The typed error a failed call carries (see the module docstring); ``grpc_status`` holds its code."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN

@@ -30,6 +30,7 @@ from infinite_llm.observability.metrics import AttentionMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import attention_server_pb2, attention_server_pb2_grpc
 from infinite_llm.rpc import codec
+from infinite_llm.rpc.errors import describe_rpc_error
 from infinite_llm.rpc.options import DEFAULT_GRACE_S, DRAIN_TIMEOUT_S
 from infinite_llm.rpc.server import RpcServer, Service, start_server
 from infinite_llm.rpc.sizes import format_size
@@ -230,7 +231,11 @@ async def drain(
         await registrar.announce_draining()
     except grpc.RpcError as e:
         if held:
-            log.warning("stopping without a drain: the manager was not told (%s); %d rBlocks are lost", _why(e), held)
+            log.warning(
+                "stopping without a drain: the manager was not told (%s); %d rBlocks are lost",
+                describe_rpc_error(e),
+                held,
+            )
         return held
     if held == 0:
         return 0
@@ -262,11 +267,6 @@ async def drain(
 
 def _held(s: HolderStats) -> int:
     return s.num_used + s.num_reserved
-
-
-def _why(e: grpc.RpcError) -> str:
-    code = e.code()
-    return f"{code.name if code else 'error'}: {e.details()}"
 
 
 def main(config: AttentionServerConfig) -> int:

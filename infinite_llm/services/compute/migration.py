@@ -43,6 +43,7 @@ from infinite_llm.core.dist_attention import BlockId, BlockRef, DistAttention, H
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.rpc.channels import sync_channel
+from infinite_llm.rpc.errors import describe_rpc_error
 
 log = logging.getLogger(__name__)
 MAX_WAIT_STEPS = 256  # steps an order may wait for its rBlocks to fill before it gives up
@@ -197,7 +198,7 @@ class MigrationExecutor:
         try:
             self._advance(order)
         except grpc.RpcError as e:
-            order.error = f"{e.code().name}: {e.details()}"
+            order.error = describe_rpc_error(e)
         except Exception as e:  # noqa: BLE001 - a failed migration must never fail the step loop
             log.exception("migration %d failed", order.migration_id)
             order.error = repr(e)
@@ -265,7 +266,7 @@ class MigrationExecutor:
             nbytes = sum(len(c.data) for c in chunks[1:]) // len(picks)
             copy.staged = [Staged(index, ref, reservation_id, nbytes) for index, ref, reservation_id in picks]
         except grpc.RpcError as e:
-            copy.error = f"{e.code().name}: {e.details()}"
+            copy.error = describe_rpc_error(e)
         except Exception as e:  # noqa: BLE001 - reported with the order's result
             log.exception("copying rBlocks of %s failed", seq_id)
             copy.error = repr(e)
@@ -286,7 +287,7 @@ class MigrationExecutor:
             try:
                 committed.append((s, dst.CommitBlocks(request, timeout=self.timeout_s)))
             except grpc.RpcError as e:
-                error = f"{e.code().name}: {e.details()}"
+                error = describe_rpc_error(e)
                 if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                     self._drop_quietly(dst, order.seq_id, s.index)  # it may have committed before the reply was lost
                 break

@@ -26,6 +26,7 @@ from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import sync_channel
+from infinite_llm.rpc.errors import describe_rpc_error
 from infinite_llm.rpc.options import serving_only
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ class ManagerPlacement:
     def _pause(self, e: grpc.RpcError) -> None:
         """No new manager call for ``PLACE_RETRY_S``, after the manager call that failed with ``e``."""
         self._away_until = time.monotonic() + PLACE_RETRY_S
-        self._away_reason = f"a manager call failed with {e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+        self._away_reason = f"a manager call failed with {describe_rpc_error(e)}"
 
     def _call_manager(self, method: str, request):  # noqa: ANN001, ANN202
         """One manager call, retried with exponential backoff (0.1 s doubling, up to ``PLACE_RETRY_S`` in

@@ -33,6 +33,7 @@ from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.rpc import codec
 from infinite_llm.rpc import tensor_channel as tc
+from infinite_llm.rpc.errors import describe_rpc_error
 from infinite_llm.services.compute.grpc_transport import GrpcTransport, OnRpc, StepStream, layer_message
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ class TorchTransport(GrpcTransport):
         try:
             channel = self._open(server, address)
         except (grpc.RpcError, RuntimeError, ValueError, TimeoutError, AttributeError) as e:
-            reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)  # type: ignore[attr-defined]
+            reason = describe_rpc_error(e) if isinstance(e, grpc.RpcError) else str(e)
             self.fallbacks[server] = (address, reason)
             log.warning(
                 "attention server %s (%s): tensors travel over gRPC; no tensor channel: %s", server, address, reason
