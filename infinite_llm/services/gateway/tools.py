@@ -218,31 +218,69 @@ def tool_call(name: str, arguments: str) -> dict:
 
 class _CallStream:
     """What the streamed-call parsers share: the answer so far, the calls whose head was sent, and the
-    current call's ``arguments`` (a JSON value starting at ``_value``, sent up to ``_sent``)."""
+    current call's ``arguments`` (a JSON value starting at ``_value``, sent up to ``_sent``).
+
+    An object, array or string value is decoded only once its brackets balance (or its quote closes): a
+    scan of each new piece, in which strings and escapes hide brackets, finds that point. Decoding the value
+    after every piece would read its text again each time: quadratic in the arguments' length.
+    """
 
     def __init__(self) -> None:
         self.text = ""
         self.calls = 0  # calls whose head was sent
         self._value = 0  # where the current call's arguments start
         self._sent = 0  # ... and how far they were sent
+        self._scan = (0, 0, False, False)  # the value's scan: (scanned up to, depth, in a string, after a \)
 
     def _head(self, name: str, at: int) -> dict:
         """The delta that opens a call (its index, a new id, ``name``); its arguments start at ``at``."""
         self.calls += 1
         self._value = self._sent = at
+        self._scan = (at, 0, False, False)
         return {"index": self.calls - 1, **tool_call(json.loads(f'"{name}"'), "")}
+
+    def _may_be_whole(self) -> bool:
+        """Whether the value starting at ``_value`` may have ended in the text so far: a scalar always may
+        (it is short); an object, array or string once its brackets balance or its quote closes."""
+        text = self.text
+        if self._value >= len(text) or text[self._value] not in '{["':
+            return True
+        at, depth, in_string, escaped = self._scan
+        at = max(at, self._value)
+        balanced = False
+        while at < len(text) and not balanced:
+            c = text[at]
+            at += 1
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    in_string, balanced = False, depth == 0
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                balanced = depth == 0
+        self._scan = (at, depth, in_string, escaped)
+        return balanced
 
     def _arguments(self, out: list[dict], limit: int | None = None) -> int | None:
         """Append the current call's arguments text that arrived (not past ``limit``) to ``out``; returns
         where the value ends once it is whole (a number at the very end of the text may still grow)."""
         while self._sent == self._value < len(self.text) and self.text[self._value].isspace():
             self._value = self._sent = self._value + 1  # whitespace before the value is not its text
-        try:
-            value, end = json.JSONDecoder().raw_decode(self.text, self._value)
-            growing = isinstance(value, int | float) and not isinstance(value, bool) and end == len(self.text)
-            whole = end if not growing else None
-        except json.JSONDecodeError:
-            end, whole = len(self.text), None  # an unfinished value: all of the text so far is its text
+        end, whole = len(self.text), None  # an unfinished value: all of the text so far is its text
+        if self._may_be_whole():
+            try:
+                value, end = json.JSONDecoder().raw_decode(self.text, self._value)
+                growing = isinstance(value, int | float) and not isinstance(value, bool) and end == len(self.text)
+                whole = end if not growing else None
+            except json.JSONDecodeError:
+                end = len(self.text)
         end = end if limit is None else min(end, limit)
         if end > self._sent:
             out.append({"index": self.calls - 1, "function": {"arguments": self.text[self._sent : end]}})

@@ -310,3 +310,28 @@ def test_a_streamed_auto_answer_sends_its_text_as_content_and_its_calls_as_tool_
     plain = stream(["No tools <tool", " needed.  "])
     assert "".join(c.delta.content or "" for c in plain) == "No tools <tool needed.  "
     assert plain[-1].finish_reason == "stop" and not any(c.delta.tool_calls for c in plain)
+
+
+def test_a_long_streamed_argument_is_decoded_once_it_can_be_whole_not_after_every_piece(monkeypatch):
+    """Decoding the arguments after every piece reads them again each time (quadratic in their length): the
+    stream decodes only once the value's brackets balance. A 2,000-character argument fed a character at a
+    time: a handful of decodes instead of ~2,000, and the same call as the whole parse."""
+    from infinite_llm.services.gateway import tools
+
+    decodes = []
+
+    class CountingDecoder(json.JSONDecoder):
+        def raw_decode(self, s, idx=0):  # noqa: ANN001, ANN201
+            decodes.append(idx)
+            return super().raw_decode(s, idx)
+
+    monkeypatch.setattr(tools.json, "JSONDecoder", CountingDecoder)
+    city = "x" * 1000 + '\\"}] {[' + "y" * 993  # brackets and an escaped quote inside the string hide nothing
+    answer = '[{"name": "get_weather", "parameters": {"city": "' + city + '"}}]'
+    stream, deltas = tools.RequiredCallStream(), []
+    for c in answer:
+        deltas += stream.feed(c)
+    assert len(decodes) <= 3, len(decodes)
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    _, whole = parse_calls(tool_plan([WEATHER, TIME], "required", CHATML), answer)
+    assert json.loads(arguments) == json.loads(whole[0]["function"]["arguments"]) == {"city": json.loads(f'"{city}"')}
