@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from infinite_llm.cli_options import stdout_console
+from infinite_llm.cli_options import ManagerTarget, stdout_console
 from infinite_llm.cli_serve import serve_app
 from infinite_llm.cli_tls import Insecure, TlsDir, load_cli_tls
 from infinite_llm.cli_up import up
@@ -17,14 +17,7 @@ STATUS_ROLES = ("client", "manager", "router", "gateway", "compute", "attention"
 
 
 def status(
-    manager: Annotated[
-        str,
-        typer.Option(
-            help="Global manager HOST:PORT, or a gRPC target naming every manager "
-            "(dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): "
-            "calls go to the leader."
-        ),
-    ] = "127.0.0.1:50050",
+    manager: ManagerTarget = "127.0.0.1:50050",
     tls_dir: TlsDir = None,
     tls_role: Annotated[
         str,

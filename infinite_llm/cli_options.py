@@ -19,6 +19,12 @@ API_KEY_ENV = "INFINITE_LLM_API_KEY"  # the router's and the gateway's --api-key
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 Host = Annotated[str, typer.Option(help="Interface to listen on.")]
+# A manager client's target: one manager, or all of them (hot standbys: the calls go to the one that leads)
+MANAGER_TARGET_HELP = (
+    "Global manager HOST:PORT, or a gRPC target naming every manager (dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): "
+    "calls go to the leader."
+)
+ManagerTarget = Annotated[str, typer.Option(help=MANAGER_TARGET_HELP)]
 Model = Annotated[str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")]
 BlockSize = Annotated[int, typer.Option(help="Tokens per rBlock (must match across the mesh).")]
 Transport = Annotated[

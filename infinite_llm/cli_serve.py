@@ -19,6 +19,7 @@ from infinite_llm.cli_options import (
     BlockSize,
     Device,
     Host,
+    ManagerTarget,
     MetricsPort,
     Model,
     NodeName,
@@ -224,14 +225,7 @@ def serve_manager(
 
 @serve_app.command("compute")
 def serve_compute(
-    manager: Annotated[
-        str,
-        typer.Option(
-            help="Global manager HOST:PORT, or a gRPC target naming every manager "
-            "(dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): "
-            "calls go to the leader."
-        ),
-    ] = "127.0.0.1:50050",
+    manager: ManagerTarget = "127.0.0.1:50050",
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port.")] = 50070,
     instance_id: Annotated[str, typer.Option(help="Identity: its registration with the manager, logs, stats.")] = (

@@ -50,3 +50,19 @@ async def wait_for(predicate, timeout_s: float) -> float:
         assert time.monotonic() - start < timeout_s, "condition not reached in time"
         await asyncio.sleep(0.05)
     return time.monotonic() - start
+
+
+def manager_process_config(etcd, prefix, port: int, **overrides):  # noqa: ANN001, ANN201
+    """A ``serve()`` config of a manager on ``port`` (id ``m-PORT``) over the test etcd, for tests that run
+    whole manager processes' loops in this one."""
+    from infinite_llm.services.manager.server import ManagerServerConfig
+
+    fields = dict(
+        etcd=f"{etcd.host}:{etcd.client_port}",
+        port=port,
+        manager_id=f"m-{port}",
+        prefix=prefix,
+        member_ttl_s=3,
+        block_size=LAYOUT.block_size,
+    )
+    return ManagerServerConfig(**{**fields, **overrides})

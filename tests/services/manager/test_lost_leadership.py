@@ -19,7 +19,7 @@ from infinite_llm.services.manager.server import EXIT_LOST_LEADERSHIP, ManagerSe
 from infinite_llm.state.etcd_launcher import free_port
 from tests.etcd_server import open_store
 
-from .helpers import LAYOUT
+from .helpers import LAYOUT, manager_process_config
 
 
 async def _register(address: str) -> grpc.StatusCode:
@@ -45,15 +45,7 @@ async def _until_serving(address: str, timeout_s: float = 30) -> None:
 
 def test_a_manager_that_loses_leadership_exits_and_a_fresh_one_leads(etcd_server, etcd_prefix):
     def config(port: int) -> ManagerServerConfig:
-        return ManagerServerConfig(
-            etcd=f"{etcd_server.host}:{etcd_server.client_port}",
-            port=port,
-            manager_id=f"m-{port}",
-            prefix=etcd_prefix,
-            member_ttl_s=3,
-            block_size=LAYOUT.block_size,
-            acquire_timeout_s=10,
-        )
+        return manager_process_config(etcd_server, etcd_prefix, port, acquire_timeout_s=10)
 
     async def scenario():
         first_port = free_port()

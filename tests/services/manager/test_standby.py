@@ -27,7 +27,7 @@ from infinite_llm.services.manager.server import EXIT_LOST_LEADERSHIP, ManagerSe
 from infinite_llm.state.etcd_launcher import free_port
 from tests.etcd_server import open_store
 
-from .helpers import LAYOUT
+from .helpers import LAYOUT, manager_process_config
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -38,7 +38,9 @@ def test_the_service_name_is_the_managers():
 
 async def _health(port: int, service: str) -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
         return reply.status
 
 
@@ -56,16 +58,8 @@ def _register_request(server_id: str) -> mpb.RegisterRequest:
 
 
 def test_clients_follow_the_lead_from_a_lost_leader_to_its_hot_standby(etcd_server, etcd_prefix):
-    def config(port: int) -> ManagerServerConfig:
-        return ManagerServerConfig(
-            etcd=f"{etcd_server.host}:{etcd_server.client_port}",
-            port=port,
-            manager_id=f"m-{port}",
-            prefix=etcd_prefix,
-            member_ttl_s=30,  # the member registered through the first leader outlives the test
-            block_size=LAYOUT.block_size,
-            standby=True,
-        )
+    def config(port: int) -> ManagerServerConfig:  # the member registered through the first leader outlives the test
+        return manager_process_config(etcd_server, etcd_prefix, port, member_ttl_s=30, standby=True)
 
     async def scenario():
         a_port, b_port = free_port(), free_port()
