@@ -56,6 +56,7 @@ from infinite_llm.state.etcd_launcher import EtcdProcess, EtcdTls, free_port, st
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
+CRASH_LOOP_WINDOW_S = 120.0  # up gives up on a service that exits more than 5 times within this (seconds)
 RESTARTED_ROLES = ("manager", "compute", "router", "gateway")  # Deployments in Kubernetes: restarted on a crash
 SERVICE_NICE = 0  # CPU niceness of every local service but the compute instances (module docstring)
 
@@ -122,7 +123,7 @@ class LocalMesh:
     _rebinds: dict[str, int] = field(default_factory=dict)  # restarts on fresh ports, per process name
     tls_dir: Path | None = None  # the certificates every service uses (None: plaintext), set by start
     etcd_tls_dir: Path | None = None  # etcd's CA, etcd's and the manager's etcd certificates (None: plaintext)
-    _restarts: dict[str, int] = field(default_factory=dict)  # respawns by restart_crashed, per name
+    _restarts: dict[str, list[float]] = field(default_factory=dict)  # exits seen by restart_crashed (monotonic s)
     _reaper: subprocess.Popen | None = None  # cleans log_dir if this process is killed outright (run_dir_reaper)
 
     @property
@@ -276,31 +277,36 @@ class LocalMesh:
         proc.popen = _popen(proc.popen.args, proc.log_path, proc.role, self.config.service_nice, append=True)
         return proc
 
-    def restart_crashed(self, max_restarts: int = 5) -> list[Proc]:
+    def restart_crashed(self, max_restarts: int = 5, window_s: float = CRASH_LOOP_WINDOW_S) -> list[Proc]:
         """Respawn every manager, compute instance, router and gateway that exited, and etcd (same port and
         data: the services ride its outage out, as a StatefulSet's etcd restarts); returns them (etcd as a
         :class:`Proc` of role ``etcd``). Attention servers stay down (the mesh recomputes their sequences on
         the others).
 
         Raises:
-            Unavailable: one of them exited more than ``max_restarts`` times (a crash loop), or etcd could
-                not start again.
+            Unavailable: one of them exited more than ``max_restarts`` times within ``window_s`` seconds (a
+                crash loop; exits spread wider, such as failover drills on a manager, are restarted), or etcd
+                could not start again.
         """
         restarted = []
         if self.etcd is not None and self.etcd.process.poll() is not None:
-            self._restarts["etcd"] = self._restarts.get("etcd", 0) + 1
-            if self._restarts["etcd"] > max_restarts:
-                raise Unavailable(f"etcd exited {self._restarts['etcd']} times:\n{tail(self.etcd.log_path)}")
+            self._count_exit("etcd", max_restarts, window_s, self.etcd.log_path)
             old = self.etcd
             self.etcd = start_etcd(data_dir=old.data_dir, client_port=old.client_port, tls=old.tls)
             restarted.append(Proc("etcd", "etcd", f"{old.host}:{old.client_port}", self.etcd.process, old.log_path))
         for p in self.procs:
             if p.role in RESTARTED_ROLES and not p.alive():
-                self._restarts[p.name] = self._restarts.get(p.name, 0) + 1
-                if self._restarts[p.name] > max_restarts:
-                    raise Unavailable(f"{p.name} exited {self._restarts[p.name]} times:\n{tail(p.log_path)}")
+                self._count_exit(p.name, max_restarts, window_s, p.log_path)
                 restarted.append(self.respawn(p))
         return restarted
+
+    def _count_exit(self, name: str, max_restarts: int, window_s: float, log_path: Path) -> None:
+        """Record an exit of ``name``; raises ``Unavailable`` past ``max_restarts`` within ``window_s``."""
+        now = time.monotonic()
+        exits = [t for t in self._restarts.get(name, []) if now - t < window_s] + [now]
+        self._restarts[name] = exits
+        if len(exits) > max_restarts:
+            raise Unavailable(f"{name} exited {len(exits)} times within {window_s:g} s:\n{tail(log_path)}")
 
     def _model_args(self) -> list[str]:
         return ["--model", self.config.model] if self.config.model else []

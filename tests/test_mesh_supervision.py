@@ -75,8 +75,18 @@ def test_a_crash_loop_stops_the_supervision(mesh):
         assert mesh.restart_crashed(max_restarts=2) == [manager]
     manager.popen.kill()
     manager.popen.wait()
-    with pytest.raises(Unavailable, match="manager-0 exited 3 times"):
+    with pytest.raises(Unavailable, match="manager-0 exited 3 times within 120 s"):
         mesh.restart_crashed(max_restarts=2)
+
+
+def test_exits_spread_wider_than_the_crash_loop_window_are_restarted(mesh):
+    """A manager killed now and then (failover drills) is no crash loop: only exits within the window count."""
+    manager = _proc(mesh, "manager", "manager-0")
+    for _ in range(3):
+        manager.popen.kill()
+        manager.popen.wait()
+        assert mesh.restart_crashed(max_restarts=1, window_s=0.2) == [manager]
+        time.sleep(0.3)
 
 
 def _etcd_http(etcd, path: str, body: dict) -> dict:
