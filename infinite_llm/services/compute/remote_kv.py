@@ -106,11 +106,21 @@ class ManagerPlacement:
             )
 
     def _cluster(self) -> tuple[int, int]:
+        """``(total, free)`` rBlocks of the cluster, read at most every ``CAPACITY_REFRESH_S``. While the manager
+        is away (no manager leads: a failover, a restart) the last view stands, so requests are queued and
+        wait for placement instead of refused; with no view yet, raises ``Unavailable``."""
         total, free, at = self._capacity
-        if time.monotonic() - at > CAPACITY_REFRESH_S:
+        now = time.monotonic()
+        if now - at > CAPACITY_REFRESH_S:
+            if total and now < self._away_until:
+                return total, free
             try:
                 state = self._manager.GetClusterState(mpb.ClusterStateRequest(), timeout=self.timeout_s)
             except grpc.RpcError as e:
+                if total and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self._pause(e)  # placement fails fast meanwhile, as after any UNAVAILABLE
+                    self._capacity = (total, free, now)
+                    return total, free
                 raise error_from_rpc(e) from None
             total = sum(s.capacity_blocks for s in state.servers)
             free = sum(s.free_blocks for s in state.servers)

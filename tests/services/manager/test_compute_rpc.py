@@ -310,3 +310,33 @@ def test_a_compute_instance_keeps_a_growing_sequence_on_the_server_of_its_last_r
             assert [ref.holder for ref in kv.block_table("s")] == ["a", "a", "a", "a", "b", "b"]
 
     asyncio.run(scenario())
+
+
+def test_a_compute_instance_keeps_its_last_capacity_view_while_no_manager_answers(
+    etcd_server, etcd_prefix, monkeypatch
+):
+    """A manager failover or restart leaves a few seconds without a leader: the instance keeps the last view
+    of the cluster's capacity (requests queue for placement, which fails fast meanwhile) instead of failing
+    every request that arrives then with UNAVAILABLE (a walkthrough saw 503s for 6 s after a leader's
+    SIGKILL). With no view yet there is nothing to go on: Unavailable."""
+    from infinite_llm.core.errors import Unavailable
+    from infinite_llm.services.compute import remote_kv
+    from infinite_llm.services.compute.remote_kv import ManagerPlacement
+
+    monkeypatch.setattr(remote_kv, "CAPACITY_REFRESH_S", 0.0)  # every read asks the manager
+
+    async def scenario():
+        servers = make_servers({"a": 4, "b": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m, served(m) as stub:
+            address = stub.address
+            placement = ManagerPlacement(address, block_size=4, timeout_s=10.0, instance_id="c0")
+            assert await asyncio.to_thread(lambda: (placement.num_total_blocks, placement.num_free_blocks)) == (12, 12)
+        # the manager's server is gone
+        assert await asyncio.to_thread(lambda: (placement.num_total_blocks, placement.num_free_blocks)) == (12, 12)
+        with pytest.raises(Unavailable, match="placement is paused"):
+            await asyncio.to_thread(placement.place, "s", 1, 0)
+        fresh = ManagerPlacement(address, block_size=4, timeout_s=10.0, instance_id="c1")
+        with pytest.raises(Unavailable):
+            await asyncio.to_thread(lambda: fresh.num_total_blocks)
+
+    asyncio.run(scenario())
