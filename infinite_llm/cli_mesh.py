@@ -46,6 +46,16 @@ def status(
                 f"{manager} does not answer the global manager's ClusterState ({e.message}): is it another "
                 "service's address? give the manager's with --manager"
             ) from None
+        if "backend unhealthy" in e.message:  # client-side health checking: nobody reports the service SERVING
+            raise InfiniteLLMError(
+                f"no manager at {manager} leads ({e.message}): a standby refuses these calls, and after a leader "
+                "dies its standby leads within the leader's session lease (10 s); give a target naming every "
+                "manager (dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT)"
+            ) from None
+        if "errors resolving" in e.message and "," in manager and ":///" not in manager:
+            raise InfiniteLLMError(
+                f"{manager!r} is not one target: list several managers as ipv4:{manager} ({e.message})"
+            ) from None
         raise
     render_status(state, stdout_console())
 

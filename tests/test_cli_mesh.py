@@ -200,3 +200,40 @@ def test_status_pointed_at_another_service_says_so():
     assert proc.returncode == 1, proc.stderr
     assert f"127.0.0.1:{port} does not answer the global manager's ClusterState (Method not found!)" in proc.stderr
     assert "give the manager's with --manager" in proc.stderr
+
+
+def test_status_pointed_at_a_standby_or_at_a_bare_list_of_managers_says_what_to_give():
+    """A standby manager (health: alive, the GlobalManager service NOT_SERVING) is never sent the call: gRPC's
+    client-side health checking reports 'backend unhealthy', which the error explains. A comma-separated
+    list without a scheme is no gRPC target: the error shows the ipv4: form."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from infinite_llm.rpc.options import MANAGER_SERVICE
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set(MANAGER_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = {**os.environ, "COLUMNS": "250"}
+    try:
+        standby = _status(f"127.0.0.1:{port}", env)
+    finally:
+        server.stop(0)
+    assert standby.returncode == 1, standby.stderr
+    assert f"no manager at 127.0.0.1:{port} leads" in standby.stderr and "a standby refuses" in standby.stderr
+    bare = _status("127.0.0.1:1,127.0.0.1:2", env)
+    assert bare.returncode == 1, bare.stderr
+    want = "'127.0.0.1:1,127.0.0.1:2' is not one target: list several managers as ipv4:127.0.0.1:1,127.0.0.1:2"
+    assert want in bare.stderr
+
+
+def _status(manager: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CLI, "status", "--manager", manager, "--insecure"], capture_output=True, text=True, timeout=120, env=env
+    )

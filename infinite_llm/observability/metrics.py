@@ -167,6 +167,10 @@ class ManagerMetrics:
         self.view_capacity = Gauge(
             P + "cluster_rblocks_capacity", "Capacity per server in rBlocks", ["server_id"], registry=registry
         )
+        # 1 on the leading manager, 0 on a hot standby (whose other series are zeros: filter on this one)
+        self.leader = Gauge(
+            P + "manager_is_leader", "1 while this manager leads, 0 while it stands by", registry=registry
+        )
         # vLLM's kv_cache_usage_perc, over the whole pool: set_function'd by the servicer (live members only)
         self.kv_cache_usage = Gauge(
             P + "kv_cache_usage_perc",

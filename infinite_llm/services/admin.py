@@ -26,9 +26,11 @@ def cluster_state(manager_address: str, timeout_s: float = 5.0, tls: TlsArg = FR
 
 
 def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
-    """Servers (rBlocks used / free / capacity, cached prefix rBlocks, sequences; a server being drained reads
-    ``<id> (draining)``), compute instances (homes, batch, queue, tokens held, debt) and every sequence's rBlocks
-    per server."""
+    """The leading manager, servers (rBlocks used / free / capacity, cached prefix rBlocks, sequences; a server
+    being drained reads ``<id> (draining)``), compute instances (homes, batch, queue, tokens held, debt) and every
+    sequence's rBlocks per server."""
+    if state.manager_id:
+        console.print(f"global manager: {state.manager_id} (leading for {state.leading_for_s:.0f} s)")
     servers = Table(title="attention servers")
     for col in ("server", "address", "node", "used", "free", "capacity", "KV used", "cached", "sequences"):
         servers.add_column(col, justify="left" if col in ("server", "address", "node") else "right")

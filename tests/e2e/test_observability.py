@@ -99,6 +99,7 @@ def test_metrics_of_every_service_move_by_the_expected_amounts(mesh):
         return value(scrape(manager.metrics_address), "infinite_llm:kv_cache_usage_perc")
 
     assert wait_until(lambda: usage() == 0)
+    assert value(scrape(manager.metrics_address), "infinite_llm:manager_is_leader") == 1  # the only manager leads
     with Client(mesh.router_address) as client:
         stream = client.stream("Count to fifty:", max_tokens=40, temperature=0, ignore_eos=True)
         next(stream)

@@ -203,14 +203,18 @@ class KVShare(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterStateResponse(_message.Message):
-    __slots__ = ("servers", "ledger", "compute_instances")
+    __slots__ = ("servers", "ledger", "compute_instances", "manager_id", "leading_for_s")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    MANAGER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADING_FOR_S_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerState]
     ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     compute_instances: _containers.RepeatedCompositeFieldContainer[ComputeInstanceState]
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., compute_instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ...) -> None: ...
+    manager_id: str
+    leading_for_s: float
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., compute_instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ..., manager_id: _Optional[str] = ..., leading_for_s: _Optional[float] = ...) -> None: ...
 
 class RegisterComputeRequest(_message.Message):
     __slots__ = ("instance_id", "address", "home_server_ids", "node_name")

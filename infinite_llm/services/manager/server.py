@@ -175,6 +175,8 @@ async def serve(config: ManagerServerConfig) -> int:
             scale.policy.max_replicas,
         )
     lost = not await _until_stopped_or_not_leading(stop, manager)
+    if not lost:
+        log.info("global manager %s stopping: finishing its calls, then resigning the lead", config.manager_id)
     if lost:
         log.error(
             "global manager %s lost leadership (its etcd session lapsed or another manager took over): exiting "

@@ -26,6 +26,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         self.manager = manager
         self.metrics = metrics or ManagerMetrics(CollectorRegistry())
         self.metrics.kv_cache_usage.set_function(self.kv_cache_usage)
+        self.metrics.leader.set_function(lambda: float(manager.is_leader))
         self.reports = reports
         self._last_usage = 0.0
 
@@ -139,7 +140,11 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         state = await self.manager.cluster_state()
         cached = self.manager.prefix.blocks_per_server()
         draining = self.manager.drains.draining
-        reply = mpb.ClusterStateResponse()
+        since = self.manager.leadership.leading_since
+        reply = mpb.ClusterStateResponse(
+            manager_id=self.manager.config.manager_id,
+            leading_for_s=0.0 if since is None else time.monotonic() - since,
+        )
         for m in state.members:
             reply.servers.add(
                 server_id=m.info.server_id,

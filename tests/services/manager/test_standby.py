@@ -82,7 +82,7 @@ def test_clients_follow_the_lead_from_a_lost_leader_to_its_hot_standby(etcd_serv
             for _ in range(4):  # round robin without health checks would hit the standby every other call
                 await stub.Register(_register_request("a"), timeout=5, wait_for_ready=True)
             state = await asyncio.to_thread(cluster_state, both, 5.0, None)  # the blocking client (status)
-            assert [s.server_id for s in state.servers] == ["a"]
+            assert [s.server_id for s in state.servers] == ["a"] and state.manager_id == f"m-{a_port}"
 
             async with open_store(etcd_server, etcd_prefix) as store:
                 leader = await store.get(LEADER_KEY)
@@ -94,7 +94,8 @@ def test_clients_follow_the_lead_from_a_lost_leader_to_its_hot_standby(etcd_serv
 
             # The same channels now reach the new leader, which loaded the member the old one registered.
             state = await asyncio.to_thread(cluster_state, both, 5.0, None)
-            assert [s.server_id for s in state.servers] == ["a"]
+            assert [s.server_id for s in state.servers] == ["a"] and state.manager_id == f"m-{b_port}"
+            assert 0 <= state.leading_for_s < 10
             await stub.Register(_register_request("b"), timeout=5, wait_for_ready=True)
             state = await asyncio.to_thread(cluster_state, both, 5.0, None)
             assert sorted(s.server_id for s in state.servers) == ["a", "b"]
