@@ -158,7 +158,12 @@ async def serve(config: ManagerServerConfig) -> int:
             return 0
         await server.health.set(service.name, health_pb2.HealthCheckResponse.SERVING)
     else:
-        await manager.start(acquire_timeout_s=config.acquire_timeout_s)
+        try:
+            await _unless_stopped(stop, manager.start(acquire_timeout_s=config.acquire_timeout_s))
+        except _Stopped:  # a stop signal while it waits for a previous leader's lease to lapse
+            await manager.stop(resign=True)
+            await store.close()
+            return 0
         server = await start_server([service], address, interceptors=interceptors)
         serve_metrics(registry, config.metrics_port, config.host)
     reconciler.start()
@@ -177,7 +182,7 @@ async def serve(config: ManagerServerConfig) -> int:
     lost = not await _until_stopped_or_not_leading(stop, manager)
     if not lost:
         log.info("global manager %s stopping: finishing its calls, then resigning the lead", config.manager_id)
-    if lost:
+    else:
         log.error(
             "global manager %s lost leadership (its etcd session lapsed or another manager took over): exiting "
             "so that a fresh process campaigns and reloads the cluster state from etcd",

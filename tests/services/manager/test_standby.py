@@ -109,6 +109,14 @@ def test_clients_follow_the_lead_from_a_lost_leader_to_its_hot_standby(etcd_serv
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(c, 15) == 0
         assert not b.done() and await _health(b_port, MANAGER_SERVICE) == SERVING
+        # A manager without --standby waiting for the lead (up to its acquire timeout) stops at once too.
+        d = asyncio.create_task(
+            serve(manager_process_config(etcd_server, etcd_prefix, free_port(), acquire_timeout_s=60))
+        )
+        await asyncio.sleep(1.0)  # connected to etcd, its signal handlers installed, campaigning in vain
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(d, 5) == 0
+        assert not b.done() and await _health(b_port, MANAGER_SERVICE) == SERVING
         async with open_store(etcd_server, etcd_prefix) as store:
             await store.revoke_lease((await store.get(LEADER_KEY)).lease)
             assert await asyncio.wait_for(b, 15) == EXIT_LOST_LEADERSHIP
