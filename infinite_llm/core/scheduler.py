@@ -32,9 +32,6 @@ from infinite_llm.core.sampling import SamplingParams
 REQUEST_ERRORS = (InvalidRequest, NotFound)
 log = logging.getLogger(__name__)
 STALL_LOG_INTERVAL_S = 5.0  # a sequence waiting for unreachable placement is logged at most this often (seconds)
-# A waiting head whose admission was refused is asked again once rBlocks were freed, or after this long
-# (seconds): placement may refuse for reasons the free count does not show (a lender's rules on a mesh).
-ADMIT_RETRY_S = 1.0
 
 
 class BlockManager(Protocol):
@@ -166,8 +163,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._stall_logged = (-float("inf"), 0)  # (monotonic time of the last stall warning, stalls since)
-        # (seq_id, free rBlocks, monotonic time) at the waiting head's last refused admission (None: none)
-        self._head_refused: tuple[str, int, float] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; raises ``KVCapacityExceeded`` if it could never fit in all of KV memory, and
@@ -237,13 +232,10 @@ class Scheduler:
                     break
                 if not self.blocks.num_free_blocks:  # admitting needs a new rBlock: match no prefix in vain
                     break
-                if self._refused_again(seq):  # nothing freed since its last refusal: ask no placement in vain
-                    break
                 self._match_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self._try_grow(seq, num_new):
                     self._unmatch(seq)
-                    self._head_refused = (seq.seq_id, self.blocks.num_free_blocks, time.monotonic())
                     break
             except REQUEST_ERRORS as e:
                 failed.append(self._fail(seq, e))
@@ -258,20 +250,6 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted, failed)
-
-    def _refused_again(self, seq: Sequence) -> bool:
-        """Whether admitting the waiting head ``seq`` was refused less than ``ADMIT_RETRY_S`` ago with no
-        rBlock freed since: on a mesh each try is a Place round trip (and a prefix match) that the manager
-        would refuse again, every step (~10 a second) while the head waits. Frees of this instance show in
-        ``num_free_blocks`` at once, other instances' within the capacity view's refresh (1 s)."""
-        refused = self._head_refused
-        if refused is None or refused[0] != seq.seq_id:
-            return False
-        seq_id, free, at = refused
-        if time.monotonic() - at < ADMIT_RETRY_S and self.blocks.num_free_blocks <= free:
-            return True
-        self._head_refused = None
-        return False
 
     def _warn_stalled(self, seq: Sequence, error: Unavailable) -> None:
         """Log a running sequence that gets no rBlocks this step, at most once per ``STALL_LOG_INTERVAL_S``

@@ -4,7 +4,6 @@ import random
 
 import pytest
 
-from infinite_llm.core import scheduler as scheduler_module
 from infinite_llm.core.dist_attention import DistAttention
 from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, KVCapacityExceeded, Unavailable
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
@@ -457,45 +456,3 @@ def test_a_sequence_the_shrunken_kv_memory_cannot_hold_fails_after_waiting_for_i
     assert "shrank to 4 rBlocks" in a.error.message and "need 6" in a.error.message
     assert [s.seq.seq_id for s in out.scheduled] == ["b"]  # the next in line goes on
     assert kv.num_free_blocks == 8 - 1
-
-
-class _PlacementBySequence(LocalPlacement):
-    """In-process placement that records which sequence each place call was for."""
-
-    def __init__(self, holders) -> None:  # noqa: ANN001
-        super().__init__(holders)
-        self.asked: list[str] = []
-
-    def place(self, seq_id, n, first_index, near=None):  # noqa: ANN001, ANN201
-        self.asked.append(seq_id)
-        return super().place(seq_id, n, first_index, near)
-
-
-@pytest.mark.parametrize("retry_s", [1.0, 0.0])
-def test_a_refused_waiting_head_is_asked_again_only_once_rblocks_are_freed_or_after_a_while(monkeypatch, retry_s):
-    """On a mesh every admission try is a Place round trip the manager refuses again while nothing was freed:
-    the refused head waits for a free (or ``ADMIT_RETRY_S``) instead of asking every step."""
-    monkeypatch.setattr(scheduler_module, "ADMIT_RETRY_S", retry_s)
-    holders = {partition_id(0): RManager(8, LAYOUT)}
-    placement = _PlacementBySequence(holders)
-    kv = DistAttention(placement, LocalTransport(holders), LAYOUT.block_size)
-    sched = Scheduler(SchedulerConfig(8, 64), kv)
-    a = Sequence("a", list(range(1, 21)), SamplingParams(max_tokens=4, temperature=0))  # 23 tokens: 6 rBlocks
-    sched.add(a)
-    _run(sched, sched.schedule())  # a's prompt: 5 rBlocks (3 free)
-    b = Sequence("b", list(range(1, 17)), SamplingParams(max_tokens=2, temperature=0))  # its prompt: 4 rBlocks
-    sched.add(b)
-    placement.asked.clear()
-    steps = 0
-    while len(a.output_token_ids) < 4:
-        out = sched.schedule()
-        assert [s.seq.seq_id for s in out.scheduled] == ["a"]
-        _run(sched, out)
-        steps += 1
-    # a took its 6th rBlock at its 4th token; b was refused at the first step, then asked again only when
-    # nothing was holding it back (retry_s 0: every step)
-    assert placement.asked.count("b") == (1 if retry_s else steps)
-    sched.finish(a, "length")  # frees 6 rBlocks
-    out = sched.schedule()
-    assert [(s.seq.seq_id, s.num_new) for s in out.scheduled] == [("b", 16)]
-    assert placement.asked.count("b") == (2 if retry_s else steps + 1)
