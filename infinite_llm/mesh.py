@@ -189,7 +189,7 @@ class LocalMesh:
             for i in range(1 + c.standby_managers):  # manager-0 first: it leads (a standby leads when none does)
                 port = (c.manager_port or free_port()) if i == 0 else free_port()
                 self._spawn("manager", f"manager-{i}", port, [*manager_args, "--manager-id", f"manager-{i}", *standby])
-                self._wait_healthy(self._by_role("manager")[-1:], check=self._leads if i == 0 and standby else None)
+                self._wait_healthy(self._by_role("manager")[-1:], check=self.leads if i == 0 and standby else None)
             for i in range(c.attention_servers):
                 self.spawn_attention(f"attn-{i}")
             for j in range(c.compute_instances):
@@ -329,7 +329,7 @@ class LocalMesh:
         self.procs.append(proc)
         return proc
 
-    def _leads(self, address: str) -> bool:
+    def leads(self, address: str) -> bool:
         """Whether the manager at ``address`` reports the GlobalManager service SERVING (it leads)."""
         return health_check(address, tls=self.tls("client"), service=MANAGER_SERVICE)
 

@@ -66,6 +66,11 @@ class RpcServer:
         await self.server.wait_for_termination()
 
 
+def default_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """Every server's interceptors (request ids, error mapping); a service that needs more appends its own."""
+    return [RequestIdInterceptor(), ErrorMappingInterceptor()]
+
+
 async def start_server(
     services: Sequence[Service],
     address: str = "127.0.0.1:0",
@@ -85,7 +90,7 @@ async def start_server(
     """
     identity = resolve(tls)
     if interceptors is None:
-        interceptors = [RequestIdInterceptor(), ErrorMappingInterceptor()]
+        interceptors = default_interceptors()
     if identity is not None:
         interceptors = [*interceptors, RoleInterceptor()]
     server = grpc.aio.server(interceptors=list(interceptors), options=server_options())

@@ -18,7 +18,6 @@ import pytest
 from infinite_llm.client import Client
 from infinite_llm.client.errors import Unavailable
 from infinite_llm.mesh import LocalMesh, health_check
-from infinite_llm.rpc.options import MANAGER_SERVICE
 from infinite_llm.services.admin import cluster_state
 from infinite_llm.state.etcd_launcher import start_etcd
 from tests.e2e.conftest import all_blocks_free, mesh_config, wait_until
@@ -139,10 +138,6 @@ def _serves(client: Client) -> bool:
         return False
 
 
-def _leads(mesh: LocalMesh, address: str) -> bool:
-    return health_check(address, tls=mesh.tls("client"), service=MANAGER_SERVICE)
-
-
 def _listed(mesh: LocalMesh) -> tuple[int, int]:
     """(attention servers, compute instances) the leader lists, asked through the mesh's own target."""
     try:
@@ -159,7 +154,7 @@ def test_requests_outlive_a_leader_sigkill_as_its_standby_takes_the_lead_with_id
     ref = references(48)
     leader, standby = [p for p in mesh.procs if p.role == "manager"]
     assert mesh.manager_address == f"ipv4:{leader.address},{standby.address}"
-    assert _leads(mesh, leader.address) and not _leads(mesh, standby.address)
+    assert mesh.leads(leader.address) and not mesh.leads(standby.address)
     assert health_check(standby.address, tls=mesh.tls("client"))  # alive, standing by
     with Client(mesh.router_address) as client:
         short_ids = client.tokenize(TEXT[:200])[:20]  # + 4 new tokens: within its first 2 rBlocks
@@ -172,7 +167,7 @@ def test_requests_outlive_a_leader_sigkill_as_its_standby_takes_the_lead_with_id
     killed = time.monotonic()
     time.sleep(3.0)  # past the compute instance's 1 s capacity view, well within the dead leader's 10 s lease
     late = Streams(mesh, [PROMPTS[1]], max_tokens=48)  # arrives while no manager leads: queued, not refused
-    assert wait_until(lambda: _leads(mesh, standby.address), 30), "the standby never took the lead"
+    assert wait_until(lambda: mesh.leads(standby.address), 30), "the standby never took the lead"
     took_lead_s = time.monotonic() - killed
     for s in (streams, short, late):
         s.join()
@@ -189,7 +184,7 @@ def test_requests_outlive_a_leader_sigkill_as_its_standby_takes_the_lead_with_id
     assert freed and set(freed) <= set(reclaimed), (freed, reclaimed)
     mesh.respawn(leader)  # as Kubernetes restarts its pod: it comes back as the standby
     assert wait_until(lambda: health_check(leader.address, tls=mesh.tls("client")), 60)
-    assert not _leads(mesh, leader.address) and _leads(mesh, standby.address)
+    assert not mesh.leads(leader.address) and mesh.leads(standby.address)
     print(f"leader SIGKILLed mid-decode: the standby led {took_lead_s:.1f} s later (the dead leader's session lease);")
     print(f"  {len(freed)} releases taken by the servers meanwhile, reconciled; no orphans {clean_s:.1f} s after")
 
@@ -208,7 +203,7 @@ def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh, refe
     assert streams.tokens == ref
     clean_s = seconds_to_clean(mesh, 4 * TTL_S)
     # The leader rode the outage out, and so did its standby (its campaigns failed meanwhile, and it retried).
-    leaders = [p for p in mesh.procs if p.role == "manager" and _leads(mesh, p.address)]
+    leaders = [p for p in mesh.procs if p.role == "manager" and mesh.leads(p.address)]
     assert len(leaders) == 1 and all(p.alive() for p in mesh.procs if p.role == "manager")
     print(f"etcd down 3 s: no orphans {clean_s:.1f} s after the streams ended")
 

@@ -24,9 +24,8 @@ from infinite_llm.pb.v1 import router_pb2 as rpb
 from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
 from infinite_llm.rpc.certs import make_ca, make_leaf, write_tls_dir
 from infinite_llm.rpc.channels import sync_channel
-from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
 from infinite_llm.rpc.interceptors.api_key import ApiKeyInterceptor
-from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.rpc.server import Service, default_interceptors, start_server
 from infinite_llm.rpc.tls import ROLES, TLS_DIR_ENV, TlsConfig, client_tls, load_tls_dir
 
 
@@ -241,7 +240,7 @@ def test_server_name_checks_also_pass_for_loopback_without_the_override(servers,
 @pytest.fixture(scope="module")
 def keyed_router(loop, tls_dir):
     service = SERVICES["router"][0]
-    interceptors = [RequestIdInterceptor(), ErrorMappingInterceptor(), ApiKeyInterceptor(["k-one", "k-two"])]
+    interceptors = [*default_interceptors(), ApiKeyInterceptor(["k-one", "k-two"])]
     server = loop.run(start_server([service], interceptors=interceptors, tls=load_tls_dir(tls_dir, "router")))
     yield server.port
     loop.run(server.stop(0))

@@ -37,10 +37,9 @@ from infinite_llm.observability.metrics import ManagerMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import manager_pb2, manager_pb2_grpc
 from infinite_llm.rpc.certs import ETCD_CLIENT
-from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
 from infinite_llm.rpc.interceptors._wrap import wrap_handler
 from infinite_llm.rpc.options import MANAGER_SERVICE, SHUTDOWN_GRACE_S
-from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.rpc.server import Service, default_interceptors, start_server
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsConfig, load_tls_dir, resolve
 from infinite_llm.services.manager.autoscale import Autoscaler, AutoscaleSettings, KubernetesScaler
 from infinite_llm.services.manager.grpc_servers import GrpcBlockServers
@@ -143,7 +142,7 @@ async def serve(config: ManagerServerConfig) -> int:
     servicer = GlobalManagerServicer(manager, ManagerMetrics(registry), reconciler.reports)
     holder.append(servicer)
     service = Service.of(manager_pb2, "GlobalManager", manager_pb2_grpc.add_GlobalManagerServicer_to_server, servicer)
-    interceptors = [RequestIdInterceptor(), ErrorMappingInterceptor(), LeaderOnly(manager)]
+    interceptors = [*default_interceptors(), LeaderOnly(manager)]
     address = f"{config.host}:{config.port}"
     server = None
     if config.standby:

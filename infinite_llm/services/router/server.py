@@ -16,10 +16,9 @@ from prometheus_client import CollectorRegistry
 from infinite_llm.observability.metrics import RouterMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
 from infinite_llm.pb.v1 import router_pb2, router_pb2_grpc
-from infinite_llm.rpc.interceptors import ErrorMappingInterceptor, RequestIdInterceptor
 from infinite_llm.rpc.interceptors.api_key import ApiKeyInterceptor, check_api_key
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
-from infinite_llm.rpc.server import Service, start_server
+from infinite_llm.rpc.server import Service, default_interceptors, start_server
 from infinite_llm.services.router.discovery import DEFAULT_INTERVAL_S, ComputeDiscovery
 from infinite_llm.services.router.servicer import RouterServicer
 
@@ -76,7 +75,7 @@ async def serve(config: RouterConfig) -> None:
         discovery = ComputeDiscovery(config.manager_address, servicer.set_discovered, config.discovery_interval_s)
         await discovery.refresh()  # the instances registered by now take requests from the first one
         discovery.start()
-    interceptors = [RequestIdInterceptor(), ErrorMappingInterceptor(), ApiKeyInterceptor(config.api_keys)]
+    interceptors = [*default_interceptors(), ApiKeyInterceptor(config.api_keys)]
     server = await start_server([service], f"{config.host}:{config.port}", interceptors=interceptors)
     targets = list(config.compute_addresses)
     if discovery is not None:
