@@ -131,7 +131,13 @@ def serve_manager(
             "must lead within 60 s or exit. Clients reach whichever leads (client-side health checking).",
         ),
     ] = False,
-    member_ttl: Annotated[int, typer.Option(help="Seconds a server stays listed without heartbeats.")] = 10,
+    member_ttl: Annotated[
+        int,
+        typer.Option(
+            help="Seconds an attention server or compute instance stays listed without heartbeats while a manager "
+            "leads. Its etcd lease lasts 15 s longer, so a failover between managers keeps every member listed."
+        ),
+    ] = 10,
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     k8s_statefulset: Annotated[
         str,

@@ -163,6 +163,7 @@ def test_requests_outlive_a_leader_sigkill_as_its_standby_takes_the_lead_with_id
     streams.wait_tokens(3)
     short = Streams(mesh, [short_ids], max_tokens=4)  # ends while no manager leads
     short.wait_tokens(1)
+    logged_before_kill = len(standby.log_path.read_text(errors="replace"))
     leader.popen.kill()
     killed = time.monotonic()
     time.sleep(3.0)  # past the compute instance's 1 s capacity view, well within the dead leader's 10 s lease
@@ -176,6 +177,10 @@ def test_requests_outlive_a_leader_sigkill_as_its_standby_takes_the_lead_with_id
     assert (streams.tokens, short.tokens, late.tokens) == (ref, [short_ref], [ref[1]])
     # The new leader lists the servers and the instance that registered with the old one.
     assert wait_until(lambda: _listed(mesh) == (3, 1), 4 * TTL_S), _listed(mesh)
+    # ... without losing any of them on the way: their leases outlived the failover (their TTL is 5 s, the
+    # dead leader's session lease 10 s), so no prefix-cache entry was dropped and no router saw them go.
+    since_kill = standby.log_path.read_text(errors="replace")[logged_before_kill:]
+    assert not re.findall(r"member \S+ gone|silent for|dropped \d+ cached rBlocks", since_kill), since_kill
     clean_s = seconds_to_clean(mesh, 4 * TTL_S)
     # A release no manager could take was freed on the servers, and the new leader reconciled its entry.
     (compute,) = mesh.compute_instances()

@@ -116,7 +116,8 @@ def debts(records: Iterable[LedgerRecord], homes: dict[str, tuple[str, ...]]) ->
 class ComputeInstances:
     """The live compute instances (``computes/`` in etcd, watch-fed) and their last heartbeats (in memory)."""
 
-    def __init__(self, store: EtcdStore, leadership: Leadership) -> None:
+    def __init__(self, store: EtcdStore, leadership: Leadership, default_ttl_s: int = 10, lease_grace_s: int = 0) -> None:
+        """``default_ttl_s``, ``lease_grace_s``: as for :class:`~.membership.LeasedMembers`."""
         self._loads: dict[str, ComputeLoad] = {}
         self.members = LeasedMembers(
             store,
@@ -127,6 +128,8 @@ class ComputeInstances:
             ComputeInfo.from_json,
             self._joined,
             self._left,
+            default_ttl_s,
+            lease_grace_s,
         )
 
     async def start(self) -> None:
@@ -145,7 +148,7 @@ class ComputeInstances:
         return await self.members.register(info, ttl_s)
 
     async def heartbeat(self, instance_id: str, load: ComputeLoad) -> int:
-        """Refresh the instance's lease and record ``load``; returns the lease TTL in seconds.
+        """Refresh the instance's lease and record ``load``; returns its TTL in seconds.
 
         Raises:
             InvalidRequest: a malformed id.

@@ -56,6 +56,7 @@ from infinite_llm.services.manager.records import (
 from infinite_llm.state.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
+MEMBER_LEASE_MARGIN_S = 5  # a member's lease outlives a failover by this much (seconds)
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,21 @@ class ManagerConfig:
     leader_ttl_s: int = 10
     max_txn_attempts: int = 16
     # After this manager starts leading, an attention server not registered (yet) counts as unknown, not lost,
-    # for this long (seconds; the serving manager uses one member lease period): its members' leases lapsed
-    # while no manager led, and they register again within a heartbeat of reaching this one, keeping their
+    # for this long (seconds; the serving manager uses one member TTL): members' leases outlive a failover
+    # (``member_lease_grace_s``) but lapse when etcd or the managers were gone longer, and such members
+    # register again within a heartbeat of reaching this one, keeping their
     # rBlocks. Meanwhile a free that would skip such a server, and a placement that finds no room, are
     # refused with ``Unavailable`` (the caller retries) instead of dropping its rBlocks from the ledger or
     # reporting a full cluster. 0: a server not registered is lost at once.
     settle_s: float = 0.0
+
+    @property
+    def member_lease_grace_s(self) -> int:
+        """How much longer than ``member_ttl_s`` a member's etcd lease lasts (seconds). While a manager leads
+        it removes silent members itself after ``member_ttl_s``; the lease removes them when none leads, and
+        this grace outlasts a failover (the leader's session lease, a campaign, a member's retry), so a crash
+        of the leader costs no member its registration."""
+        return self.leader_ttl_s + MEMBER_LEASE_MARGIN_S
 
     def __post_init__(self) -> None:
         check_id("manager_id", self.manager_id)
@@ -105,10 +115,17 @@ class GlobalManager:
         self.leadership = Leadership(store, config.manager_id, config.leader_ttl_s)
         self.ledger = Ledger(store, self.leadership, config.max_txn_attempts)
         self._placed: dict[str, int] = {}  # rBlocks the ledger places per server
+        ttl_s, grace_s = config.member_ttl_s, config.member_lease_grace_s
         self.membership = Membership(
-            store, self.leadership, self.view, lambda s: self._placed.get(s, 0), lambda s: self.prefix.server_gone(s)
+            store,
+            self.leadership,
+            self.view,
+            lambda s: self._placed.get(s, 0),
+            lambda s: self.prefix.server_gone(s),
+            ttl_s,
+            grace_s,
         )
-        self.computes = ComputeInstances(store, self.leadership)
+        self.computes = ComputeInstances(store, self.leadership, ttl_s, grace_s)
         self.migrations = Migrations(self.drains, self.ledger, self.view, self.address_of, config.max_txn_attempts)
         self.rebalancer = Rebalancer(self)
         self._placing = KeyedLocks()  # one Place of a sequence at a time (a retry waits for the first)
@@ -222,7 +239,7 @@ class GlobalManager:
         return registration
 
     async def heartbeat(self, server_id: str, free_blocks: int, load: float = 0.0, draining: bool = False) -> int:
-        """Keep the member alive and record its free rBlocks and load; returns the lease TTL in seconds.
+        """Keep the member alive and record its free rBlocks and load; returns its TTL in seconds.
         ``draining``: the server is stopping; placement skips it and the planner migrates its rBlocks away
         until a heartbeat without it (:class:`~.drain.DrainGuard`).
 
@@ -272,7 +289,7 @@ class GlobalManager:
         return await self.computes.register(info, ttl_s or self.config.member_ttl_s)
 
     async def heartbeat_compute(self, instance_id: str, load: ComputeLoad) -> int:
-        """Keep the instance alive and record its load; returns the lease TTL in seconds.
+        """Keep the instance alive and record its load; returns its TTL in seconds.
 
         Raises:
             InvalidRequest: a malformed id. NotFound: unknown or expired (it must register again).

@@ -129,7 +129,7 @@ async def serve(config: ManagerServerConfig) -> int:
             block_size=config.block_size,
             member_ttl_s=config.member_ttl_s,
             leader_ttl_s=config.leader_ttl_s,
-            settle_s=config.member_ttl_s,  # members whose leases lapsed with the last leader register again
+            settle_s=config.member_ttl_s,  # members whose leases lapsed (etcd down, a long failover) register again
         ),
     )
     stop = asyncio.Event()

@@ -128,14 +128,23 @@ class RouterServicer(rgrpc.RouterServicer):
         out.request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         return out
 
-    def _pick(self, tried: set[str], last_error: InfiniteLLMError | None = None) -> _Instance:
+    def _pick(self, tried: set[str], last_error: InfiniteLLMError | None = None, last_address: str = "") -> _Instance:
+        """The least loaded instance not ``tried`` yet (ties: the next in turn).
+
+        Raises:
+            CapacityExhausted: ``last_error``, when every instance was tried and the last one was full.
+            Unavailable: none is registered, or every one was tried; then it names the last one tried and
+                what it answered (``last_error``), so the cause (no attention server registered yet, a
+                failover) reaches the caller.
+        """
         candidates = [i for i in self.instances if i.address not in tried]
         if not candidates:
             if isinstance(last_error, CapacityExhausted):
                 raise last_error
             if not tried:
                 raise Unavailable("no compute instance is registered with the manager (or given with --compute)")
-            raise Unavailable("no compute instance is reachable")
+            why = f"; the last one tried ({last_address}) answered: {last_error.message}" if last_error else ""
+            raise Unavailable(f"no compute instance could take the request (tried {len(tried)}){why}")
         turn = next(self._turns) % len(candidates)
         return min(candidates[turn:] + candidates[:turn], key=lambda i: i.in_flight)  # ties: the next in turn
 
@@ -166,8 +175,9 @@ class RouterServicer(rgrpc.RouterServicer):
         timeout = DEFAULT_TIMEOUT_S if remaining is None else max(remaining, 0.001)
         tried: set[str] = set()
         last_error: InfiniteLLMError | None = None
+        last_address = ""
         while True:
-            inst = self._pick(tried, last_error)
+            inst = self._pick(tried, last_error, last_address)
             if tried:  # a retry: the instance that failed may still hold the old id's rBlocks
                 request.request_id = f"{rid[:200]}:retry-{uuid.uuid4().hex[:12]}"
             tried.add(inst.address)
@@ -191,7 +201,7 @@ class RouterServicer(rgrpc.RouterServicer):
                 # when every one was, the caller gets the last refusal (UNAVAILABLE, or RESOURCE_EXHAUSTED).
                 error = error_from_rpc(e)
                 if not sent and isinstance(error, Unavailable | QueueFull):
-                    last_error = error
+                    last_error, last_address = error, inst.address
                     continue
                 if sent and isinstance(error, Unavailable):  # tokens went out: no other instance may take it over
                     raise Unavailable(

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
 from infinite_llm.core.errors import FailedPrecondition, InvalidRequest, NotFound
+from infinite_llm.services.manager import GlobalManager, ManagerConfig
+from infinite_llm.services.manager.computes import ComputeInfo
 
 from .helpers import make_servers, open_store, running_manager, wait_for
 
@@ -109,5 +112,73 @@ def test_a_server_with_another_block_size_is_refused_and_nothing_is_registered(e
                 assert await raw.get("members/a") is None
             with pytest.raises(FailedPrecondition, match="the caller placing 's'"):
                 m.check_block_size(8, "the caller placing 's'")
+
+    asyncio.run(scenario())
+
+
+def _instances(manager) -> list[str]:
+    return [m.info.instance_id for m in manager.computes.members.members()]
+
+
+def test_members_outlive_a_leader_crash_and_the_new_leader_removes_the_silent_ones(etcd_server, etcd_prefix):
+    """A leader's crash silences every member until a standby leads (after the leader's session lease of 3 s
+    here), longer than their 2 s TTL. Their registrations survive it (each lease is the TTL plus a grace
+    longer than the leader's); the new leader gives every member a TTL from its takeover, keeps the server
+    that heartbeats it, and removes the server and the compute instance that stay silent (their keys go)."""
+
+    async def scenario():
+        servers = make_servers({"a": 4, "b": 4})
+        config = dict(block_size=4, member_ttl_s=2, leader_ttl_s=3)
+        async with open_store(etcd_server, etcd_prefix) as store, open_store(etcd_server, etcd_prefix) as raw:
+            first = GlobalManager(store, servers, ManagerConfig("m1", **config))
+            await first.start(acquire_timeout_s=5)
+            reg_a = await first.register("a", "10.0.0.1:50051", 4, 4)
+            await first.register("b", "10.0.0.2:50051", 4, 4)
+            await first.register_compute(ComputeInfo("c0", "10.0.1.1:50070", ("a",)))
+            async with running_manager(etcd_server, etcd_prefix, servers, "m2", register=False, lead=False, **config) as second:
+                assert not second.is_leader and _ids(second) == ["a", "b"]
+                crashed = time.monotonic()
+                await first.stop(resign=False)  # its session lease, the leader key and the members' leases linger
+                await second.acquire_leadership(10)
+                took_over = time.monotonic()
+                assert took_over - crashed > 2.0  # every member was silent longer than its TTL
+                assert _ids(second) == ["a", "b"] and _instances(second) == ["c0"]
+
+                async def heartbeats():
+                    while True:
+                        await second.heartbeat("a", free_blocks=4)
+                        await asyncio.sleep(0.5)
+
+                beating = asyncio.create_task(heartbeats())
+                try:
+                    await wait_for(lambda: _ids(second) == ["a"] and _instances(second) == [], timeout_s=6)
+                    assert time.monotonic() - took_over > 1.9  # a TTL from the takeover, not from the crash
+                    await asyncio.sleep(2.5)  # more than a TTL: the heartbeats keep "a"
+                    assert _ids(second) == ["a"]
+                finally:
+                    beating.cancel()
+                assert (await raw.get("members/a")).lease == reg_a.lease_id
+                assert await raw.get("members/b") is None and await raw.get("computes/c0") is None
+            await store.revoke_lease(reg_a.lease_id)
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_leader_gives_its_members_a_ttl_before_removing_any(etcd_server, etcd_prefix):
+    """A leader whose event loop stalled longer than the members' TTL could not hear their heartbeats
+    meanwhile: it does not remove them for that silence; one heartbeat after the stall keeps the member."""
+
+    async def scenario():
+        servers = make_servers({"a": 4})
+        async with running_manager(etcd_server, etcd_prefix, servers, register=False, member_ttl_s=2) as m:
+            await m.register("a", "10.0.0.1:50051", 4, 4)
+            await asyncio.sleep(0.6)  # its silence checks run
+            time.sleep(2.5)  # the whole manager stalls (blocks its event loop)
+            await asyncio.sleep(0.6)  # its silence checks run before the member's next heartbeat arrives
+            await m.heartbeat("a", free_blocks=4)
+            await asyncio.sleep(1.0)
+            assert _ids(m) == ["a"]
+            gone_after_s = await wait_for(lambda: _ids(m) == [], timeout_s=5)  # no more heartbeats
+            assert gone_after_s > 0.5
 
     asyncio.run(scenario())

@@ -78,6 +78,26 @@ def test_a_request_refused_before_its_first_token_is_retried_elsewhere_under_a_f
     asyncio.run(scenario())
 
 
+def test_when_every_instance_refuses_the_caller_is_told_what_the_last_one_answered():
+    async def scenario():
+        computes, servers, stub = await _mesh("dead", "dead")
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(_request("req-x"), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            last = next(s.port for c, s in zip(computes, servers, strict=False) if c.ids and c.ids[0] != "req-x")
+            assert info.value.details() == (
+                f"no compute instance could take the request (tried 2); the last one tried (127.0.0.1:{last}) "
+                "answered: compute instance gone"
+            )
+            assert sorted(len(c.ids) for c in computes) == [1, 1]
+        finally:
+            for s in servers:
+                await s.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_an_instance_that_dies_after_the_first_token_fails_the_stream_with_unavailable():
     async def scenario():
         (dies,), servers, stub = await _mesh("dies")
