@@ -116,7 +116,9 @@ def debts(records: Iterable[LedgerRecord], homes: dict[str, tuple[str, ...]]) ->
 class ComputeInstances:
     """The live compute instances (``computes/`` in etcd, watch-fed) and their last heartbeats (in memory)."""
 
-    def __init__(self, store: EtcdStore, leadership: Leadership, default_ttl_s: int = 10, lease_grace_s: int = 0) -> None:
+    def __init__(
+        self, store: EtcdStore, leadership: Leadership, default_ttl_s: int = 10, lease_grace_s: int = 0
+    ) -> None:
         """``default_ttl_s``, ``lease_grace_s``: as for :class:`~.membership.LeasedMembers`."""
         self._loads: dict[str, ComputeLoad] = {}
         self.members = LeasedMembers(

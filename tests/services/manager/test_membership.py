@@ -135,7 +135,9 @@ def test_members_outlive_a_leader_crash_and_the_new_leader_removes_the_silent_on
             reg_a = await first.register("a", "10.0.0.1:50051", 4, 4)
             await first.register("b", "10.0.0.2:50051", 4, 4)
             await first.register_compute(ComputeInfo("c0", "10.0.1.1:50070", ("a",)))
-            async with running_manager(etcd_server, etcd_prefix, servers, "m2", register=False, lead=False, **config) as second:
+            async with running_manager(
+                etcd_server, etcd_prefix, servers, "m2", register=False, lead=False, **config
+            ) as second:
                 assert not second.is_leader and _ids(second) == ["a", "b"]
                 crashed = time.monotonic()
                 await first.stop(resign=False)  # its session lease, the leader key and the members' leases linger
