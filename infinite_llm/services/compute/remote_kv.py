@@ -156,7 +156,10 @@ class ManagerPlacement:
             refs, _ = self._grants_of(seq_id, "Place", request)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._capacity = (self._capacity[0], 0, 0.0)  # re-read the view next time
+                # Nothing to place for this instance until rBlocks are freed: its own releases count at once,
+                # the cluster's at the next read of the view. Without this, a waiting sequence that needs
+                # more rBlocks than the view shows free asks the manager (MatchPrefix, Place) every step.
+                self._capacity = (self._capacity[0], 0, time.monotonic())
                 return None
             raise error_from_rpc(e) from None
         if len(refs) != n:

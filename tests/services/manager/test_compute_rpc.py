@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import pytest
@@ -338,5 +339,58 @@ def test_a_compute_instance_keeps_its_last_capacity_view_while_no_manager_answer
         fresh = ManagerPlacement(address, block_size=4, timeout_s=10.0, instance_id="c1")
         with pytest.raises(Unavailable):
             await asyncio.to_thread(lambda: fresh.num_total_blocks)
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_sequence_the_cluster_cannot_hold_asks_placement_once_per_view_not_every_step(
+    etcd_server, etcd_prefix
+):
+    """A waiting head that needs 2 rBlocks where 1 is free: the manager refuses its ``Place``. Until rBlocks
+    are freed it is not asked again every step (before, each of ~10 steps a second cost a ``Place`` and a
+    capacity read, and a ``MatchPrefix`` with prefix caching on), only after the next read of the cluster's
+    capacity (1 s); this instance's own release lets it in at the next step."""
+    from infinite_llm.core.dist_attention import DistAttention
+    from infinite_llm.core.sampling import SamplingParams
+    from infinite_llm.core.scheduler import Scheduler, SchedulerConfig, Sequence
+    from infinite_llm.services.compute.remote_kv import CAPACITY_REFRESH_S, ManagerPlacement
+
+    class Counting:
+        def __init__(self, stub) -> None:  # noqa: ANN001
+            self.stub, self.calls = stub, []
+
+        def __getattr__(self, method: str):  # noqa: ANN204
+            def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                self.calls.append(method)
+                return getattr(self.stub, method)(*args, **kwargs)
+
+            return call
+
+    async def scenario():
+        servers = make_servers({"a": 4})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m, served(m) as stub:
+            await stub.RegisterCompute(
+                mpb.RegisterComputeRequest(instance_id="c0", address="127.0.0.1:50070", home_server_ids=["a"])
+            )
+            placement = ManagerPlacement(stub.address, block_size=4, timeout_s=10.0, instance_id="c0")
+            placement._manager = counting = Counting(placement._manager)
+            kv = DistAttention(placement, transport=None, block_size=4)
+            assert await asyncio.to_thread(kv.try_allocate, "r", 3)
+            scheduler = Scheduler(SchedulerConfig(), kv)
+            waiting = Sequence("w", list(range(1, 9)), SamplingParams(max_tokens=1, temperature=0))
+            await asyncio.to_thread(scheduler.add, waiting)  # blocking calls: off the manager's event loop
+            counting.calls.clear()
+            steps, started = 0, time.monotonic()
+            while time.monotonic() - started < 1.5 * CAPACITY_REFRESH_S:
+                assert not (await asyncio.to_thread(scheduler.schedule)).scheduled
+                steps += 1
+                await asyncio.sleep(0.05)
+            assert steps >= 15
+            places = counting.calls.count("Place")
+            assert 1 <= places <= 2, counting.calls
+            assert counting.calls.count("GetClusterState") <= 2, counting.calls
+            await asyncio.to_thread(kv.free, "r")
+            (admitted,) = (await asyncio.to_thread(scheduler.schedule)).scheduled
+            assert admitted.seq.seq_id == "w" and kv.block_table("w")
 
     asyncio.run(scenario())
