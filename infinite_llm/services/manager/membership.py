@@ -184,7 +184,10 @@ class LeasedMembers(Generic[InfoT]):
                 continue
             for member_id, heard in list(self._heard.items()):
                 if now - heard > self._ttl(member_id):
-                    await self._remove(member_id, now - heard)
+                    try:
+                        await self._remove(member_id, now - heard)
+                    except Exception:  # noqa: BLE001 - the task must outlive any one failure
+                        log.exception("removing silent member %s%s failed", self.prefix, member_id)
 
     async def _remove(self, member_id: str, silent_s: float) -> None:
         """Delete a silent member's key (fenced, and only the registration that went silent), then revoke
