@@ -16,7 +16,7 @@ import grpc
 
 from infinite_llm.core.errors import DeadlineExceeded
 from infinite_llm.rpc.interceptors import DefaultDeadlineInterceptor, RequestIdClientInterceptor
-from infinite_llm.rpc.options import DEFAULT_TIMEOUT_S, channel_options
+from infinite_llm.rpc.options import DEFAULT_TIMEOUT_S, channel_options, merged
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, resolve
 
 
@@ -29,15 +29,15 @@ def aio_channel(
     tls: TlsArg = FROM_PROCESS,
 ) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``target`` (``host:port``) with the shared options: mTLS with ``tls``
-    (default: the process's identity; ``None``: plaintext).
+    (default: the process's identity; ``None``: plaintext). ``extra_options`` override shared ones.
 
     Calls without a ``timeout`` get ``timeout_s`` seconds; calls carry the current request id.
     """
     chain = [RequestIdClientInterceptor(), DefaultDeadlineInterceptor(timeout_s), *interceptors]
     identity = resolve(tls)
     if identity is None:
-        return grpc.aio.insecure_channel(target, options=[*channel_options(), *extra_options], interceptors=chain)
-    options = [*channel_options(), *identity.channel_options(), *extra_options]
+        return grpc.aio.insecure_channel(target, options=merged(channel_options(), extra_options), interceptors=chain)
+    options = merged(channel_options(), identity.channel_options(), extra_options)
     return grpc.aio.secure_channel(target, identity.channel_credentials(), options=options, interceptors=chain)
 
 
@@ -48,8 +48,8 @@ def sync_channel(
     ``tls``: as for :func:`aio_channel`."""
     identity = resolve(tls)
     if identity is None:
-        return grpc.insecure_channel(target, options=[*channel_options(), *extra_options])
-    options = [*channel_options(), *identity.channel_options(), *extra_options]
+        return grpc.insecure_channel(target, options=merged(channel_options(), extra_options))
+    options = merged(channel_options(), identity.channel_options(), extra_options)
     return grpc.secure_channel(target, identity.channel_credentials(), options=options)
 
 

@@ -42,8 +42,26 @@ MANAGER_SERVICE = "infinite_llm.v1.GlobalManager"
 # A client following a leader re-resolves its target's DNS name at most this often (milliseconds; gRPC's
 # default is 30 s, so a manager pod that replaced both old ones during a rollout would stay unknown that long).
 DNS_RERESOLVE_MS = 2_000
+# Keepalive of those clients (time, timeout; ms): a frozen manager (SIGSTOP, a paused VM, a stuck node) keeps
+# its connections open and its health stream silent, so health checking would count it SERVING and round
+# robin would send it every other call until the usual keepalive (30 s + 10 s) gave up on it, which calls to
+# it keep postponing (each restarts the keepalive timer). An idle connection is pinged every 2 s, and any
+# ping (gRPC also pings beside calls) not answered within 5 s drops it: the frozen manager leaves the pick
+# list within ~7 s, before a standby can lead (the leader's 10 s session lease), so members' heartbeats
+# reach the new leader in time. Pings are answered by gRPC's own threads, not the manager's event loop, so a
+# busy manager is not mistaken for a frozen one.
+MANAGER_KEEPALIVE_MS = (2_000, 5_000)
 
 Options = list[tuple[str, int | str]]
+# The GlobalManager calls that change nothing, and their retry policy on manager channels (gRPC service config).
+READ_ONLY = ("GetClusterState", "ListComputeInstances")
+READ_RETRY = {
+    "maxAttempts": 3,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "0.5s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
 
 
 def _common() -> Options:
@@ -80,12 +98,28 @@ def serving_only(service: str = MANAGER_SERVICE) -> Options:
     every address its target resolves to (a DNS name with one address per replica, such as a headless
     Kubernetes Service, or ``ipv4:HOST:PORT,HOST:PORT``), watches each one's health, and picks only among
     those SERVING. With one leading global manager and hot standbys (``serve manager --standby``), calls reach
-    the leader wherever it runs, and move to the next one as soon as it reports SERVING. A single
+    the leader wherever it runs, and move to the next one as soon as it reports SERVING; a frozen one leaves
+    the pick list within a few seconds (``MANAGER_KEEPALIVE_MS``). A single
     ``HOST:PORT`` target behaves as before. No backend SERVING: calls fail with UNAVAILABLE ("backend
-    unhealthy") unless they wait for ready. Reference: gRPC ``doc/health-checking.md`` (client-side).
+    unhealthy") unless they wait for ready. The read-only calls (``READ_ONLY``) are retried on UNAVAILABLE
+    (``READ_RETRY``), each attempt picking again: an old leader that resumed after a freeze still reports
+    SERVING for a moment, and refuses them as a standby. Reference: gRPC ``doc/health-checking.md`` (client-side).
     """
-    config = {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": service}}
+    config = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": service},
+        "methodConfig": [{"name": [{"service": service, "method": m} for m in READ_ONLY], "retryPolicy": READ_RETRY}],
+    }
     return [
         ("grpc.service_config", json.dumps(config, separators=(",", ":"))),
         ("grpc.dns_min_time_between_resolutions_ms", DNS_RERESOLVE_MS),
+        ("grpc.keepalive_time_ms", MANAGER_KEEPALIVE_MS[0]),
+        ("grpc.keepalive_timeout_ms", MANAGER_KEEPALIVE_MS[1]),
+        ("grpc.http2.max_pings_without_data", 0),  # the health stream is quiet: keep pinging without data
+        ("grpc.http2.ping_timeout_ms", MANAGER_KEEPALIVE_MS[1]),  # every ping, not only keepalive's
     ]
+
+
+def merged(*option_lists: Options) -> Options:
+    """The options of every list, a later list's value winning for a name they share."""
+    return list({name: value for options in option_lists for name, value in options}.items())

@@ -1,8 +1,10 @@
 """Staying registered with the global manager: the loop that attention servers and compute instances share.
 
 The manager keeps a member's key under an etcd lease that each heartbeat refreshes; a member that stops
-heartbeating (dies) vanishes when the lease expires. A heartbeat answered NOT_FOUND means the lease already
-expired (or the manager lost it): register again. An unreachable manager is retried every ``RETRY_S``.
+heartbeating (dies) vanishes when the leading manager has not heard from it for its TTL. A heartbeat answered
+NOT_FOUND means the registration already ended (or the manager lost it): register again. An unreachable
+manager (a failover, a restart) is sent the heartbeat again every ``RETRY_S``: the registration outlives a
+failover, so it registers again only when a manager answers NOT_FOUND.
 
 A stall of this process (SIGSTOP, a long pause) is seen by a watchdog task whose short timer fires late, wherever
 the stall caught the process: asleep between heartbeats or awaiting one. Only a heartbeat sent after the stall
@@ -21,12 +23,14 @@ import grpc
 log = logging.getLogger(__name__)
 RETRY_S = 1.0  # wait before retrying an unreachable manager (seconds)
 MIN_HEARTBEAT_S = 0.5  # never heartbeat more often than this (seconds)
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # the call may not have arrived
 WATCH_TICK_S = 0.1  # the stall watchdog's timer period (seconds)
 
 
 class LeaseKeeper:
-    """Runs ``register`` (returns the lease TTL in seconds), then ``heartbeat`` every TTL/3 until the
-    manager answers NOT_FOUND, then registers again; both raise ``grpc.RpcError`` on failure.
+    """Runs ``register`` (returns the TTL in seconds), then ``heartbeat`` every TTL/3 until the manager answers
+    NOT_FOUND, then registers again; both raise ``grpc.RpcError`` on failure (an unreachable manager's
+    heartbeat is sent again, other failures register again).
 
     ``registered`` is set after the first successful registration. ``on_stalled`` is awaited before
     registering again when this process itself stalled (SIGSTOP, a long pause: its timers fired at least a
@@ -64,18 +68,25 @@ class LeaseKeeper:
         self._tasks = []
 
     async def _run(self) -> None:
+        registered = False  # a heartbeat may keep the registration alive (else: register)
         while True:
             try:
-                await self._fence_if_stalled()
-                sent = asyncio.get_running_loop().time()
-                ttl = await self._register()
-                self.registered.set()
-                self._interval_s = max(ttl / 3, MIN_HEARTBEAT_S)
-                self._outlived(sent)
+                if not registered:
+                    await self._fence_if_stalled()
+                    sent = asyncio.get_running_loop().time()
+                    ttl = await self._register()
+                    self.registered.set()
+                    registered = True
+                    self._interval_s = max(ttl / 3, MIN_HEARTBEAT_S)
+                    self._outlived(sent)
                 while await self._beat():
                     await asyncio.sleep(self._interval_s)
+                registered = False
                 log.warning("lease of %s expired; registering again", self.name)
             except grpc.RpcError as e:
+                # An unreachable manager (a failover, a restart) has not forgotten this member: heartbeat
+                # again, and register only when a manager says it does not know it (NOT_FOUND).
+                registered = registered and e.code() in UNREACHABLE
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("the manager refuses %s: %s; retrying", self.name, e.details())  # fix the config
                 else:

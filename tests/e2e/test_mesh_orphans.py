@@ -19,6 +19,7 @@ from infinite_llm.client import Client
 from infinite_llm.client.errors import Unavailable
 from infinite_llm.mesh import LocalMesh, health_check
 from infinite_llm.services.admin import cluster_state
+from infinite_llm.services.manager.server import EXIT_LOST_LEADERSHIP
 from infinite_llm.state.etcd_launcher import start_etcd
 from tests.e2e.conftest import all_blocks_free, mesh_config, wait_until
 from tests.e2e.test_mesh_generation import TEXT
@@ -192,6 +193,43 @@ def test_requests_outlive_a_leader_sigkill_as_its_standby_takes_the_lead_with_id
     assert not mesh.leads(leader.address) and mesh.leads(standby.address)
     print(f"leader SIGKILLed mid-decode: the standby led {took_lead_s:.1f} s later (the dead leader's session lease);")
     print(f"  {len(freed)} releases taken by the servers meanwhile, reconciled; no orphans {clean_s:.1f} s after")
+
+
+def test_a_frozen_leader_loses_the_lead_without_costing_any_member_its_registration(fault_mesh, references):
+    """SIGSTOP of the leading manager (a paused VM, a stuck node) keeps its connections open and its health
+    stream silent. Its clients drop it within seconds (manager channels ping every 2 s), the standby leads
+    after the session lease, and every member's heartbeats reach the new leader in time: none is removed,
+    so no prefix-index entry is dropped (a walkthrough saw the new leader remove two live attention servers
+    whose heartbeats kept timing out on the frozen one). Resumed, the old leader finds its lead gone and
+    exits; restarted, it stands by. The streams decode on with identical output."""
+    mesh = fault_mesh
+    ref = references(48)
+    managers = [p for p in mesh.procs if p.role == "manager"]
+    leader = next(p for p in managers if mesh.leads(p.address))
+    (standby,) = [p for p in managers if p is not leader]
+    streams = Streams(mesh, PROMPTS, max_tokens=48)
+    streams.wait_tokens(3)
+    logged_before = len(standby.log_path.read_text(errors="replace"))
+    leader.popen.send_signal(signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        assert wait_until(lambda: mesh.leads(standby.address), 30), "the standby never took the lead"
+        took_lead_s = time.monotonic() - frozen
+        time.sleep(TTL_S + 2)  # past a member TTL from the takeover: a member not heard by then is removed
+        assert _listed(mesh) == (3, 1)
+    finally:
+        leader.popen.send_signal(signal.SIGCONT)
+    assert leader.popen.wait(timeout=30) == EXIT_LOST_LEADERSHIP
+    streams.join()
+    assert (streams.errors, streams.tokens) == ([None, None], ref)
+    since_freeze = standby.log_path.read_text(errors="replace")[logged_before:]
+    assert not re.findall(r"member \S+ gone|silent for|dropped \d+ cached rBlocks", since_freeze), since_freeze
+    clean_s = seconds_to_clean(mesh, 4 * TTL_S)
+    mesh.respawn(leader)
+    assert wait_until(lambda: health_check(leader.address, tls=mesh.tls("client")), 60)
+    assert not mesh.leads(leader.address) and mesh.leads(standby.address)
+    print(f"leader SIGSTOPped mid-decode: the standby led {took_lead_s:.1f} s later; no member removed;")
+    print(f"  no orphans {clean_s:.1f} s after the streams")
 
 
 def test_requests_outlive_an_etcd_restart_with_identical_output(fault_mesh, references):

@@ -207,7 +207,7 @@ class LeasedMembers(Generic[InfoT]):
         except Unavailable as e:  # NotLeader too
             log.warning("could not remove silent member %s%s: %s", self.prefix, member_id, e)
             return
-        log.warning("member %s%s silent for %.1f s: removed", self.prefix, member_id, silent_s)
+        log.warning("member %s%s silent for %.1f s: removing it", self.prefix, member_id, silent_s)
         self._forget(member_id, result.revision)
         with contextlib.suppress(NotFound, Unavailable):  # it lapses after its TTL anyway
             await self._store.revoke_lease(member.lease_id)
