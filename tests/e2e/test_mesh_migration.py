@@ -55,11 +55,14 @@ def test_long_sequence_migrates_mid_decode_and_keeps_its_greedy_output(home_mesh
         time.sleep(0.5)
         second = pool.submit(client.generate, long_, max_tokens=180, **params)
         out_short, out_long = first.result(timeout=600), second.result(timeout=600)
-    refs = local.generate([short, long_], SamplingParams(max_tokens=20, **params))[:1] + local.generate(
-        [long_], SamplingParams(max_tokens=180, **params)
-    )
-    assert out_short.token_ids == refs[0].token_ids
-    assert out_long.token_ids == refs[1].token_ids
+    refs = [
+        out.token_ids[:n]
+        for out, n in zip(
+            local.generate([short, long_], SamplingParams(max_tokens=180, **params)), (20, 180), strict=True
+        )
+    ]
+    assert out_short.token_ids == refs[0]
+    assert out_long.token_ids == refs[1]
     assert len(out_long.placement) >= 2  # its KV spanned servers
     moved = value(scrape(manager.metrics_address), "infinite_llm:migrations_total") - before
     assert moved >= 1, f"no migration happened (logs: {mesh.log_dir})"
@@ -101,10 +104,9 @@ def test_a_shared_prefix_migrates_with_both_readers_and_keeps_their_greedy_outpu
     hits, preempted = _compute_stats(mesh)
     assert preempted == preempted_before, "a reader was preempted: the mesh is too small for this test"
     assert hits - hits_before == 9 * 16, "r did not read w's cached document"
-    want = [
-        local.generate([ids], SamplingParams(max_tokens=n, **params))[0].token_ids
-        for ids, n in ((short, 24), (doc, 150), (asked, 110))
-    ]
+    # One batch: greedy decoding with ignore_eos makes the first n tokens of a longer output the n-token one.
+    full = local.generate([short, doc, asked], SamplingParams(max_tokens=150, **params))
+    want = [out.token_ids[:n] for out, n in zip(full, (24, 150, 110), strict=True)]
     assert [out_short.token_ids, out_w, out_r.token_ids] == want
     reattached = value(scrape(manager.metrics_address), "infinite_llm:reattached_rblocks_total") - before
     assert reattached >= 1, f"no reader followed a moved shared rBlock (logs: {mesh.log_dir})"
