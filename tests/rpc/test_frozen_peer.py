@@ -9,11 +9,13 @@ A busy manager is not dropped: pings are answered by gRPC's threads, not its eve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -44,47 +46,44 @@ asyncio.run(main())
 """
 
 
-def _manager(name: str) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-c", MANAGER, name], stdout=subprocess.PIPE, text=True)
-    return proc, int(proc.stdout.readline())
-
-
-def test_calls_leave_a_frozen_manager_within_a_few_keepalives_not_after_40_s():
-    (frozen, frozen_port), (live, live_port) = _manager("frozen"), _manager("live")
+@contextlib.contextmanager
+def _managers(first: str, second: str) -> Iterator[tuple[subprocess.Popen, mgrpc.GlobalManagerStub]]:
+    """Two manager processes named ``first`` and ``second``; yields the first's process and a stub over a
+    ``serving_only()`` channel whose target lists both, the first first."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", MANAGER, n], stdout=subprocess.PIPE, text=True) for n in (first, second)
+    ]
     try:
-        target = f"ipv4:127.0.0.1:{frozen_port},127.0.0.1:{live_port}"
+        ports = [int(proc.stdout.readline()) for proc in procs]
+        target = "ipv4:" + ",".join(f"127.0.0.1:{port}" for port in ports)
         with sync_channel(target, tls=None, extra_options=serving_only()) as channel:
-            stub = mgrpc.GlobalManagerStub(channel)
-            seen = {stub.GetClusterState(mpb.ClusterStateRequest(), timeout=10).manager_id for _ in range(6)}
-            assert seen == {"frozen", "live"}  # both SERVING: round robin over both
-            os.kill(frozen.pid, signal.SIGSTOP)
-            stopped = time.monotonic()
-            detect_s = sum(MANAGER_KEEPALIVE_MS) / 1000 + 1.0  # a ping, its timeout, and a second's slack
-            answers: list[tuple[float, str]] = []
-            while (now := time.monotonic()) - stopped < detect_s + 3.0:
-                try:
-                    who = stub.GetClusterState(mpb.ClusterStateRequest(), timeout=1).manager_id
-                except grpc.RpcError as e:
-                    who = e.code().name
-                answers.append((now - stopped, who))
-            late = [who for at, who in answers if at > detect_s]
-            assert len(late) >= 10 and set(late) == {"live"}, answers
+            yield procs[0], mgrpc.GlobalManagerStub(channel)
     finally:
-        for proc in (frozen, live):
+        for proc in procs:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
 
 
+def test_calls_leave_a_frozen_manager_within_a_few_keepalives_not_after_40_s():
+    with _managers("frozen", "live") as (frozen, stub):
+        seen = {stub.GetClusterState(mpb.ClusterStateRequest(), timeout=10).manager_id for _ in range(6)}
+        assert seen == {"frozen", "live"}  # both SERVING: round robin over both
+        os.kill(frozen.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        detect_s = sum(MANAGER_KEEPALIVE_MS) / 1000 + 1.0  # a ping, its timeout, and a second's slack
+        answers: list[tuple[float, str]] = []
+        while (now := time.monotonic()) - stopped < detect_s + 3.0:
+            try:
+                who = stub.GetClusterState(mpb.ClusterStateRequest(), timeout=1).manager_id
+            except grpc.RpcError as e:
+                who = e.code().name
+            answers.append((now - stopped, who))
+        late = [who for at, who in answers if at > detect_s]
+        assert len(late) >= 10 and set(late) == {"live"}, answers
+
+
 def test_a_read_refused_by_a_manager_that_still_reports_serving_is_retried_on_the_leader():
-    (resumed, resumed_port), (live, live_port) = _manager("resumed"), _manager("live")
-    try:
-        target = f"ipv4:127.0.0.1:{resumed_port},127.0.0.1:{live_port}"
-        with sync_channel(target, tls=None, extra_options=serving_only()) as channel:
-            stub = mgrpc.GlobalManagerStub(channel)
-            answers = [stub.GetClusterState(mpb.ClusterStateRequest(), timeout=10).manager_id for _ in range(10)]
-            assert answers == ["live"] * 10
-    finally:
-        for proc in (resumed, live):
-            proc.kill()
-            proc.wait()
+    with _managers("resumed", "live") as (_, stub):
+        answers = [stub.GetClusterState(mpb.ClusterStateRequest(), timeout=10).manager_id for _ in range(10)]
+        assert answers == ["live"] * 10
