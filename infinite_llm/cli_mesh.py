@@ -52,6 +52,12 @@ def status(
                 "dies its standby leads within the leader's session lease (10 s); give a target naming every "
                 "manager (dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT)"
             ) from None
+        if getattr(e, "grpc_status", None) == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise InfiniteLLMError(
+                f"no answer from {manager} within 5 s ({e.message}): a manager that takes the call but does not "
+                "answer is frozen (a stopped process, a paused VM) or overloaded; clients stop sending it calls "
+                "within ~7 s and a standby leads within the leader's session lease (10 s): try again"
+            ) from None
         if "errors resolving" in e.message and "," in manager and ":///" not in manager:
             raise InfiniteLLMError(
                 f"{manager!r} is not one target: list several managers as ipv4:{manager} ({e.message})"

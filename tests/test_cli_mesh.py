@@ -233,6 +233,44 @@ def test_status_pointed_at_a_standby_or_at_a_bare_list_of_managers_says_what_to_
     assert want in bare.stderr
 
 
+def test_status_against_a_manager_that_does_not_answer_says_what_that_means():
+    """A manager that takes the call and never answers (frozen: SIGSTOP, a paused VM; or overloaded): after
+    the 5 s deadline the error says so and what happens next, not gRPC's bare 'Deadline Exceeded'."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from infinite_llm.pb.v1 import manager_pb2 as mpb
+    from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+    from infinite_llm.rpc.options import MANAGER_SERVICE
+
+    release = threading.Event()
+
+    class Stuck(mgrpc.GlobalManagerServicer):
+        def GetClusterState(self, request, context):  # noqa: N802, ANN001, ANN201
+            release.wait(30)
+            return mpb.ClusterStateResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    mgrpc.add_GlobalManagerServicer_to_server(Stuck(), server)
+    servicer.set(MANAGER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        stuck = _status(f"127.0.0.1:{port}", {**os.environ, "COLUMNS": "250"})
+    finally:
+        release.set()
+        server.stop(0)
+    assert stuck.returncode == 1, stuck.stderr
+    flat = " ".join(stuck.stderr.split())
+    assert f"no answer from 127.0.0.1:{port} within 5 s (Deadline Exceeded)" in flat, stuck.stderr
+    assert "frozen (a stopped process, a paused VM) or overloaded" in flat and flat.endswith("try again")
+
+
 def _status(manager: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*CLI, "status", "--manager", manager, "--insecure"], capture_output=True, text=True, timeout=120, env=env

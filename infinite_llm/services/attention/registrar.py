@@ -89,7 +89,7 @@ class Registrar:
             )
         )
         log.info(
-            "registered %s at %s with %d rBlocks (lease %d s)",
+            "registered %s at %s with %d rBlocks (TTL %d s)",
             self.server_id,
             self.address,
             s.num_blocks,

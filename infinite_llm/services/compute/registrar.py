@@ -91,7 +91,7 @@ class ComputeRegistrar:
             timeout=CALL_TIMEOUT_S,
         )
         log.info(
-            "registered compute instance %s at %s (homes %s, node %s; lease %d s)",
+            "registered compute instance %s at %s (homes %s, node %s; TTL %d s)",
             self.instance_id,
             self.address,
             ", ".join(self.home_server_ids) or "-",

@@ -36,6 +36,10 @@ CAPACITY_REFRESH_S = 1.0  # how stale the cluster's capacity view may be before 
 # Only UNAVAILABLE is retried (Place is idempotent per first_block_index: a retry after a lost reply frees
 # what the first placed and places again, GlobalManager.place).
 PLACE_RETRY_S = 1.0
+# Deadline of the engine thread's manager calls that a step can do without (a capacity read with a view to
+# keep on a failure, and PublishPrefix, whose failure only leaves those rBlocks unshared; seconds):
+# a frozen manager must not hold every running sequence's step for the call's full deadline.
+OPTIONAL_CALL_S = 2.0
 TRANSPORTS = ("grpc", "torch")
 STARTUP_RETRY_S = 30.0  # how long a starting instance waits for an unreachable manager (seconds)
 
@@ -115,7 +119,8 @@ class ManagerPlacement:
             if total and now < self._away_until:
                 return total, free
             try:
-                state = self._manager.GetClusterState(mpb.ClusterStateRequest(), timeout=self.timeout_s)
+                timeout = min(self.timeout_s, OPTIONAL_CALL_S) if total else self.timeout_s  # a view to keep
+                state = self._manager.GetClusterState(mpb.ClusterStateRequest(), timeout=timeout)
             except grpc.RpcError as e:
                 if total and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     self._pause(e)  # placement fails fast meanwhile, as after any UNAVAILABLE
@@ -232,7 +237,8 @@ class ManagerPlacement:
         if not blocks or time.monotonic() < self._away_until:
             return 0
         try:
-            reply = self._manager.PublishPrefix(mpb.PublishPrefixRequest(blocks=blocks), timeout=self.timeout_s)
+            request = mpb.PublishPrefixRequest(blocks=blocks)
+            reply = self._manager.PublishPrefix(request, timeout=min(self.timeout_s, OPTIONAL_CALL_S))
         except grpc.RpcError as e:
             log.warning("publishing %d cached rBlocks failed: %s", len(blocks), e.details())
             return 0

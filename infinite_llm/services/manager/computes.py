@@ -132,6 +132,7 @@ class ComputeInstances:
             self._left,
             default_ttl_s,
             lease_grace_s,
+            "compute instance",
         )
 
     async def start(self) -> None:

@@ -62,6 +62,7 @@ class LeasedMembers(Generic[InfoT]):
             itself (one registered through an earlier leader); a member registered here keeps its own.
         lease_grace_s: how much longer than its TTL a member's etcd lease lasts (seconds): the removal of
             a silent member while no manager leads. Give it more than the leaders' session lease.
+        kind: what a member is, in logs ("attention server", "compute instance").
     """
 
     def __init__(
@@ -76,8 +77,10 @@ class LeasedMembers(Generic[InfoT]):
         on_gone: Callable[[str], None] = lambda _id: None,
         default_ttl_s: int = 10,
         lease_grace_s: int = 0,
+        kind: str = "member",
     ) -> None:
         self._store = store
+        self.kind = kind
         self._leadership = leadership
         self.prefix, self.id_param = prefix, id_param
         self._id_of, self._decode, self._on_put, self._on_gone = id_of, decode, on_put, on_gone
@@ -172,29 +175,31 @@ class LeasedMembers(Generic[InfoT]):
     async def _remove_silent(self) -> None:
         """While this manager leads, remove every member not heard of for its TTL. A new term, or a stall
         of this manager, first gives every member a full TTL from then."""
-        term, due = None, time.monotonic() + REAP_TICK_S
+        term, due, reset_at = None, time.monotonic() + REAP_TICK_S, 0.0
         while True:
             await asyncio.sleep(max(due - time.monotonic(), 0.0))
             now = time.monotonic()
             stalled, due = now - due > STALL_S, now + REAP_TICK_S
             since = self._leadership.leading_since
             if since is None or since != term or stalled:
-                term = since
+                term, reset_at = since, now
                 self._heard = dict.fromkeys(self._members, now)
                 continue
             for member_id, heard in list(self._heard.items()):
                 if now - heard > self._ttl(member_id):
                     try:
-                        await self._remove(member_id, now - heard)
+                        await self._remove(member_id, now - heard, heard == reset_at)
                     except Exception:  # noqa: BLE001 - the task must outlive any one failure
-                        log.exception("removing silent member %s%s failed", self.prefix, member_id)
+                        log.exception("removing silent %s %s failed", self.kind, member_id)
 
-    async def _remove(self, member_id: str, silent_s: float) -> None:
+    async def _remove(self, member_id: str, silent_s: float, heard_reset: bool) -> None:
         """Delete a silent member's key (fenced, and only the registration that went silent), then revoke
         its lease. Leaves it for the next tick when etcd fails or this manager stopped leading."""
         member, key = self._members.get(member_id), self.prefix + member_id
         if member is None:
             return
+        since = "this manager took the lead or stalled" if heard_reset else "its last heartbeat"
+        log.warning("%s %s not heard from for %.1f s (since %s): removing it", self.kind, member_id, silent_s, since)
         try:
             result = await self._store.txn(
                 [self._leadership.fence(), Compare.mod_revision(key, self._revisions[member_id])],
@@ -205,9 +210,8 @@ class LeasedMembers(Generic[InfoT]):
                 self._leadership.check(result.gets[0])  # else it registered again meanwhile
                 return
         except Unavailable as e:  # NotLeader too
-            log.warning("could not remove silent member %s%s: %s", self.prefix, member_id, e)
+            log.warning("could not remove silent %s %s: %s", self.kind, member_id, e)
             return
-        log.warning("member %s%s silent for %.1f s: removing it", self.prefix, member_id, silent_s)
         self._forget(member_id, result.revision)
         with contextlib.suppress(NotFound, Unavailable):  # it lapses after its TTL anyway
             await self._store.revoke_lease(member.lease_id)
@@ -260,7 +264,7 @@ class LeasedMembers(Generic[InfoT]):
         self._ttls.pop(member_id, None)
         if self._members.pop(member_id, None) is not None:
             self._on_gone(member_id)
-            log.info("member %s%s gone", self.prefix, member_id)
+            log.info("%s %s gone", self.kind, member_id)
 
 
 class Membership(LeasedMembers[MemberInfo]):
@@ -304,4 +308,5 @@ class Membership(LeasedMembers[MemberInfo]):
             gone,
             default_ttl_s,
             lease_grace_s,
+            "attention server",
         )
