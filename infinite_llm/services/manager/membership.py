@@ -34,6 +34,7 @@ REAP_TICK_S = 0.25  # how often the leader looks for silent members (seconds)
 # A reap tick this much later than due means this manager could not hear anyone meanwhile (a stall, a long
 # pause of its event loop): every member then gets a full TTL from the tick, as after taking the lead.
 STALL_S = 1.0
+REMOVE_RETRY_S = 1.0  # a removal etcd failed is tried again after this long (seconds)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class LeasedMembers(Generic[InfoT]):
         self._revisions: dict[str, int] = {}  # last applied mod_revision per member id, tombstones too
         self._ttls: dict[str, int] = {}  # the TTL (seconds) each member registered here asked for
         self._heard: dict[str, float] = {}  # time.monotonic() a member was last heard of (live members only)
+        self._retry_at: dict[str, float] = {}  # time.monotonic() before which a failed removal is not retried
         self._watch: PrefixWatch | None = None
         self._tasks: list[asyncio.Task] = []
         self.resync_delay_s = 0.5
@@ -162,11 +164,10 @@ class LeasedMembers(Generic[InfoT]):
                 register again).
         """
         member = self.get(member_id)
+        self._heard[member_id] = time.monotonic()  # heard, even if etcd cannot refresh its lease now
         if await self._store.refresh_lease(member.lease_id) <= 0:
             self._forget(member_id, self._revisions.get(member_id, 0))
             raise NotFound(f"member {member_id!r} expired; register again")
-        if member_id in self._members:  # not removed as silent while the refresh was under way
-            self._heard[member_id] = time.monotonic()
         return self._ttl(member_id)
 
     def _ttl(self, member_id: str) -> int:
@@ -186,7 +187,7 @@ class LeasedMembers(Generic[InfoT]):
                 self._heard = dict.fromkeys(self._members, now)
                 continue
             for member_id, heard in list(self._heard.items()):
-                if now - heard > self._ttl(member_id):
+                if now - heard > self._ttl(member_id) and now >= self._retry_at.get(member_id, 0.0):
                     try:
                         await self._remove(member_id, now - heard, heard == reset_at)
                     except Exception:  # noqa: BLE001 - the task must outlive any one failure
@@ -210,7 +211,8 @@ class LeasedMembers(Generic[InfoT]):
                 self._leadership.check(result.gets[0])  # else it registered again meanwhile
                 return
         except Unavailable as e:  # NotLeader too
-            log.warning("could not remove silent %s %s: %s", self.kind, member_id, e)
+            log.warning("could not remove silent %s %s: %s; retrying in %g s", self.kind, member_id, e, REMOVE_RETRY_S)
+            self._retry_at[member_id] = time.monotonic() + REMOVE_RETRY_S
             return
         self._forget(member_id, result.revision)
         with contextlib.suppress(NotFound, Unavailable):  # it lapses after its TTL anyway
@@ -260,8 +262,8 @@ class LeasedMembers(Generic[InfoT]):
         if revision < self._revisions.get(member_id, 0):
             return
         self._revisions[member_id] = revision
-        self._heard.pop(member_id, None)
-        self._ttls.pop(member_id, None)
+        for per_member in (self._heard, self._ttls, self._retry_at):
+            per_member.pop(member_id, None)
         if self._members.pop(member_id, None) is not None:
             self._on_gone(member_id)
             log.info("%s %s gone", self.kind, member_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -184,3 +185,46 @@ def test_a_stalled_leader_gives_its_members_a_ttl_before_removing_any(etcd_serve
             assert gone_after_s > 0.5
 
     asyncio.run(scenario())
+
+
+def test_an_etcd_outage_longer_than_the_ttl_removes_no_member_that_kept_heartbeating(tmp_path, caplog):
+    """etcd down 3.5 s with a 2 s TTL: the member's heartbeats reach the manager but fail (no lease to refresh).
+    The manager counts them as heard: it never sets out to remove the member (it would, as soon as etcd
+    answered again), which stays listed; silent from then, it is removed a TTL later. A private etcd (this
+    test stops it)."""
+    from infinite_llm.state.etcd_launcher import start_etcd
+
+    async def scenario():
+        nonlocal etcd
+        servers = make_servers({"a": 4})
+        async with running_manager(etcd, "/infinite-llm/", servers, register=False, member_ttl_s=2) as m:
+            await m.register("a", "10.0.0.1:50051", 4, 4)
+            failed = []
+
+            async def heartbeats():
+                while True:
+                    try:
+                        await m.heartbeat("a", free_blocks=4)
+                    except Exception as e:  # noqa: BLE001 - etcd is down: Unavailable
+                        failed.append(type(e).__name__)
+                    await asyncio.sleep(0.5)
+
+            beating = asyncio.create_task(heartbeats())
+            await asyncio.sleep(0.6)
+            with caplog.at_level(logging.WARNING, logger="infinite_llm.services.manager.membership"):
+                etcd.stop()
+                await asyncio.sleep(3.5)
+                etcd = start_etcd(data_dir=tmp_path / "etcd", client_port=etcd.client_port)
+                await asyncio.sleep(1.5)
+            beating.cancel()
+            assert failed and set(failed) == {"Unavailable"}, failed
+            assert not [r.getMessage() for r in caplog.records if "not heard from" in r.getMessage()]
+            assert _ids(m) == ["a"]
+            gone_after_s = await wait_for(lambda: _ids(m) == [], timeout_s=10)
+            assert gone_after_s > 1.0
+
+    etcd = start_etcd(data_dir=tmp_path / "etcd")
+    try:
+        asyncio.run(scenario())
+    finally:
+        etcd.stop()
