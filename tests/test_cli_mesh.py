@@ -237,14 +237,10 @@ def test_status_against_a_manager_that_does_not_answer_says_what_that_means():
     """A manager that takes the call and never answers (frozen: SIGSTOP, a paused VM; or overloaded): after
     the 5 s deadline the error says so and what happens next, not gRPC's bare 'Deadline Exceeded'."""
     import threading
-    from concurrent import futures
-
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from infinite_llm.pb.v1 import manager_pb2 as mpb
     from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
-    from infinite_llm.rpc.options import MANAGER_SERVICE
+    from tests.manager_stub import serving_manager
 
     release = threading.Event()
 
@@ -253,18 +249,11 @@ def test_status_against_a_manager_that_does_not_answer_says_what_that_means():
             release.wait(30)
             return mpb.ClusterStateResponse()
 
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    mgrpc.add_GlobalManagerServicer_to_server(Stuck(), server)
-    servicer.set(MANAGER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        stuck = _status(f"127.0.0.1:{port}", {**os.environ, "COLUMNS": "250"})
-    finally:
-        release.set()
-        server.stop(0)
+    with serving_manager(Stuck()) as port:
+        try:
+            stuck = _status(f"127.0.0.1:{port}", {**os.environ, "COLUMNS": "250"})
+        finally:
+            release.set()
     assert stuck.returncode == 1, stuck.stderr
     flat = " ".join(stuck.stderr.split())
     assert f"no answer from 127.0.0.1:{port} within 5 s (Deadline Exceeded)" in flat, stuck.stderr

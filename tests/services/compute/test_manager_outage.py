@@ -48,16 +48,12 @@ def test_a_manager_that_takes_calls_and_never_answers_holds_the_step_at_most_the
     sequence's step for the call's 30 s deadline (a walkthrough saw streams stall while a frozen leader held
     a ``PublishPrefix``). A real gRPC server whose GlobalManager handlers block."""
     import threading
-    from concurrent import futures
-
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from infinite_llm.core.dist_attention import BlockId, BlockRef
     from infinite_llm.pb.v1 import manager_pb2 as mpb
     from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
-    from infinite_llm.rpc.options import MANAGER_SERVICE
     from infinite_llm.services.compute import remote_kv
+    from tests.manager_stub import serving_manager
 
     wedged, release = threading.Event(), threading.Event()
 
@@ -71,25 +67,18 @@ def test_a_manager_that_takes_calls_and_never_answers_holds_the_step_at_most_the
             release.wait(60)
             return mpb.PublishPrefixResponse()
 
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    mgrpc.add_GlobalManagerServicer_to_server(Manager(), server)
-    servicer.set(MANAGER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        placement = ManagerPlacement(f"127.0.0.1:{port}", block_size=16, timeout_s=30.0, instance_id="c0")
-        assert (placement.num_total_blocks, placement.num_free_blocks) == (8, 5)
-        wedged.set()
-        placement._capacity = (*placement._capacity[:2], 0.0)  # the view is due for a read
-        start = time.monotonic()
-        assert (placement.num_total_blocks, placement.num_free_blocks) == (8, 5)  # the last view stands
-        assert remote_kv.OPTIONAL_CALL_S <= time.monotonic() - start < remote_kv.OPTIONAL_CALL_S + 1.5
-        placement.publish("s", [(0, bytes(32), BlockRef(HolderId("a"), BlockId(0)))])
-        start = time.monotonic()
-        assert placement.flush_published() == 0
-        assert time.monotonic() - start < remote_kv.OPTIONAL_CALL_S + 1.5
-    finally:
-        release.set()
-        server.stop(0)
+    with serving_manager(Manager()) as port:
+        try:
+            placement = ManagerPlacement(f"127.0.0.1:{port}", block_size=16, timeout_s=30.0, instance_id="c0")
+            assert (placement.num_total_blocks, placement.num_free_blocks) == (8, 5)
+            wedged.set()
+            placement._capacity = (*placement._capacity[:2], 0.0)  # the view is due for a read
+            start = time.monotonic()
+            assert (placement.num_total_blocks, placement.num_free_blocks) == (8, 5)  # the last view stands
+            assert remote_kv.OPTIONAL_CALL_S <= time.monotonic() - start < remote_kv.OPTIONAL_CALL_S + 1.5
+            placement.publish("s", [(0, bytes(32), BlockRef(HolderId("a"), BlockId(0)))])
+            start = time.monotonic()
+            assert placement.flush_published() == 0
+            assert time.monotonic() - start < remote_kv.OPTIONAL_CALL_S + 1.5
+        finally:
+            release.set()
