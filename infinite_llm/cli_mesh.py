@@ -33,7 +33,8 @@ def status(
     import grpc
 
     from infinite_llm.core.errors import InfiniteLLMError
-    from infinite_llm.services.admin import cluster_state, render_status
+    from infinite_llm.rpc.options import MANAGER_KEEPALIVE_MS
+    from infinite_llm.services.admin import STATE_TIMEOUT_S, cluster_state, render_status
 
     if tls_role not in STATUS_ROLES:
         raise typer.BadParameter(f"must be one of {', '.join(STATUS_ROLES)}, got {tls_role!r}", param_hint="--tls-role")
@@ -54,9 +55,10 @@ def status(
             ) from None
         if getattr(e, "grpc_status", None) == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise InfiniteLLMError(
-                f"no answer from {manager} within 5 s ({e.message}): a manager that takes the call but does not "
-                "answer is frozen (a stopped process, a paused VM) or overloaded; clients stop sending it calls "
-                "within ~7 s and a standby leads within the leader's session lease (10 s): try again"
+                f"no answer from {manager} within {STATE_TIMEOUT_S:g} s ({e.message}): a manager that takes the "
+                "call but does not answer is frozen (a stopped process, a paused VM) or overloaded; clients stop "
+                f"sending it calls within ~{sum(MANAGER_KEEPALIVE_MS) / 1000:g} s and a standby leads within the "
+                "leader's session lease (10 s): try again"
             ) from None
         if "errors resolving" in e.message and "," in manager and ":///" not in manager:
             raise InfiniteLLMError(

@@ -17,14 +17,17 @@ from infinite_llm.rpc.options import MANAGER_SERVICE
 
 
 @contextlib.contextmanager
-def serving_manager(servicer: mgrpc.GlobalManagerServicer, threads: int = 8) -> Iterator[int]:
-    """Serve ``servicer`` (plaintext, ``threads`` handler threads); yields the port. Handlers that block must
-    be released before the block ends (``stop`` does not interrupt them)."""
+def serving_manager(servicer: mgrpc.GlobalManagerServicer, threads: int = 8, serving: bool = True) -> Iterator[int]:
+    """Serve ``servicer`` (plaintext, ``threads`` handler threads); yields the port. ``serving=False``: a
+    standby's health (alive, the manager service NOT_SERVING). Handlers that block must be released before
+    the block ends (``stop`` does not interrupt them)."""
     server = grpc.server(futures.ThreadPoolExecutor(threads))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     mgrpc.add_GlobalManagerServicer_to_server(servicer, server)
-    health_servicer.set(MANAGER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    health_servicer.set(MANAGER_SERVICE, status)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

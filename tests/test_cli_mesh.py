@@ -206,25 +206,12 @@ def test_status_pointed_at_a_standby_or_at_a_bare_list_of_managers_says_what_to_
     """A standby manager (health: alive, the GlobalManager service NOT_SERVING) is never sent the call: gRPC's
     client-side health checking reports 'backend unhealthy', which the error explains. A comma-separated
     list without a scheme is no gRPC target: the error shows the ipv4: form."""
-    from concurrent import futures
+    from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+    from tests.manager_stub import serving_manager
 
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from infinite_llm.rpc.options import MANAGER_SERVICE
-
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    servicer.set(MANAGER_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     env = {**os.environ, "COLUMNS": "250"}
-    try:
+    with serving_manager(mgrpc.GlobalManagerServicer(), serving=False) as port:
         standby = _status(f"127.0.0.1:{port}", env)
-    finally:
-        server.stop(0)
     assert standby.returncode == 1, standby.stderr
     assert f"no manager at 127.0.0.1:{port} leads" in standby.stderr and "a standby refuses" in standby.stderr
     bare = _status("127.0.0.1:1,127.0.0.1:2", env)

@@ -14,8 +14,12 @@ from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.rpc.options import serving_only
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, client_tls
 
+STATE_TIMEOUT_S = 5.0  # how long `status` waits for the manager's answer (seconds)
 
-def cluster_state(manager_address: str, timeout_s: float = 5.0, tls: TlsArg = FROM_PROCESS) -> mpb.ClusterStateResponse:
+
+def cluster_state(
+    manager_address: str, timeout_s: float = STATE_TIMEOUT_S, tls: TlsArg = FROM_PROCESS
+) -> mpb.ClusterStateResponse:
     """The manager's view: live attention servers with their rBlocks, compute instances, and the ledger.
     ``tls``: as for the SDK (:func:`~infinite_llm.rpc.tls.client_tls`, the ``client`` role by default)."""
     with sync_channel(manager_address, tls=client_tls(tls), extra_options=serving_only()) as channel:
