@@ -273,7 +273,7 @@ def profile_decode_steps(hf, engine: LLMEngine, eager: LLMEngine, work: Workload
 def profile_decode_step(engine: LLMEngine, work: Workload, name: str = "engine") -> None:
     """Wall time, GPU-busy fraction and kernel count of one batch-1 decode step at a ``prompt_len`` context."""
     prompt = random_prompts(1, work.prompt_len, work.model["vocab_size"], seed=2)[0]
-    steps = 3 * work.profile_steps + 4
+    steps = 8 * work.profile_steps + 4
     rid = engine.add_request(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
     while not any(o.request_id == rid for o in engine.step()):  # prefill until the first token
         pass
@@ -284,15 +284,39 @@ def profile_decode_step(engine: LLMEngine, work: Workload, name: str = "engine")
     sync()
     wall_us = (time.perf_counter() - start) / work.profile_steps * 1e6
     gpu = device_time(engine.step, work.profile_steps)
+    host = host_profile(engine.step, 5 * work.profile_steps) if name == "CUDA graphs" else None
     engine.abort(rid)
     busy = f"{gpu.busy_us / wall_us:5.2f}" if torch.cuda.is_available() else "n/a (no CUDA)"
     if name == "CUDA graphs":  # where the GPU time of a step goes: the next thing to cut
         print("  GPU time per step by kernel (us, launches):")
         for kernel, us, launches in gpu.by_name[:12]:
             print(f"    {us:8.1f} us {launches:5.0f}x  {kernel[:100]}")
+    if host:
+        print(host)
     print(f"{name:>11s} batch-1 decode step at {work.prompt_len} tokens: wall {wall_us / 1e3:7.3f} ms "
           f"({1e6 / wall_us:6.0f} tok/s), GPU busy {gpu.busy_us / 1e3:7.3f} ms, busy fraction {busy}, "
           f"{gpu.kernels:.0f} kernels per step")  # fmt: skip
+
+
+def host_profile(fn, iters: int, top: int = 18) -> str:  # noqa: ANN001
+    """Where the host's time of ``iters`` calls of ``fn`` goes (cProfile, own time, slowest first): the part
+    of a graph-replayed step the GPU waits for."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        fn()
+    sync()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    head = f"  host time of {iters} steps under cProfile (own time, slowest first):"
+    return "\n".join([head] + ["    " + line for line in lines[-top - 1 :]])
 
 
 def main() -> int:

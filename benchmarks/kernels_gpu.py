@@ -135,9 +135,14 @@ def sweep_configs(case: Case) -> list[tuple[str, dict]]:
             ("m128 n64 w8 stages 2", dict(tiles=T(block_m=128, block_n=64, num_warps=8, num_stages=2))),
         ]
     legacy_splits = 33 if case.batch == 1 else 3  # cdiv(2 x 132, batch x 8 kv heads)
-    splits = (16, 33, 64, 132) if case.batch == 1 else (1, 3, 5, 9)
+    splits = (16, 33, 64, 132, 264) if case.batch == 1 else (1, 3, 5, 9)
     configs = [("legacy n32 (policy then)", dict(num_splits=legacy_splits, tiles=T(block_n=32)))]
     configs += [(f"n64 splits {s}", dict(num_splits=s, tiles=T(block_n=64))) for s in splits]
+    if case.batch == 1:  # one sequence: fewer keys per program, more programs in flight
+        configs += [(f"n32 splits {s}", dict(num_splits=s, tiles=T(block_n=32))) for s in (132, 264)]
+        configs += [(f"n128 splits {s}", dict(num_splits=s, tiles=T(block_n=128))) for s in (33, 66)]
+        configs += [("n64 splits 132 stages 4", dict(num_splits=132, tiles=T(block_n=64, num_stages=4)))]
+        configs += [("n64 splits 132 w2", dict(num_splits=132, tiles=T(block_n=64, num_warps=2)))]
     configs += [
         ("n128 (policy splits)", dict(tiles=T(block_n=128))),
         ("n64 w8 (policy splits)", dict(tiles=T(block_n=64, num_warps=8))),
@@ -163,7 +168,9 @@ def run_sweep(case: Case, iters: int, gen: torch.Generator, device: torch.device
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for one shape
             print(f"   {label:<30} failed: {type(exc).__name__}: {str(exc)[:120]}")
             continue
-        print(f"   {label:<30} GPU {gpu.busy_us:8.1f} us  {rates(case, gpu.busy_us)}  err vs 1 split {err:.1e}")
+        parts = " + ".join(f"{us:.1f}" for _, us, _ in gpu.by_name[:3])  # attention kernel, then the merge
+        print(f"   {label:<30} GPU {gpu.busy_us:8.1f} us ({parts})  {rates(case, gpu.busy_us)}  "
+              f"err vs 1 split {err:.1e}")  # fmt: skip
 
 
 def run_merge(iters: int, gen: torch.Generator, device: torch.device) -> bool:
