@@ -7,7 +7,8 @@ prints the call's wall time (host included: checks, one host sync, launches), th
 kernel durations only), the KV bytes read per second of GPU time (K and V of every context token once, the
 decode roofline) and that figure as a fraction of the H200's 4.3 TB/s copy bandwidth; for the prefill chunk
 also TFLOP/s. A sweep then times forced tile sizes and split counts on the 32k cases, the policy's pick
-(``infinite_llm/kernels/launch_plan.py``) and the previous one ("legacy") among them, to tune the policy.
+(``infinite_llm/kernels/launch_plan.py``) and the previous one among them, to tune the policy. Decode calls
+pass ``max_query_len=1`` as the engine's CUDA graphs do (no host sync, no extra kernel).
 
     python benchmarks/kernels_gpu.py [--iters 20] [--quick] [--no-sweep]
 """
@@ -103,12 +104,13 @@ def run_case(case: Case, iters: int, gen: torch.Generator, device: torch.device)
     from infinite_llm.kernels.paged_attention import triton_partial_attention
 
     query, k_cache, v_cache, meta = make_inputs(case, device, gen)
-    out, lse = triton_partial_attention(query, k_cache, v_cache, meta)
+    hint = dict(max_query_len=1) if case.chunk == 1 else {}  # decode: as the engine's graphs call it
+    out, lse = triton_partial_attention(query, k_cache, v_cache, meta, **hint)
     ref_out, ref_lse = partial_attention(query, k_cache, v_cache, meta)
     out_err, lse_err = max_error(out, ref_out), max_error(lse, ref_lse)
     out_tol, lse_tol = TOLERANCE[case.dtype]
     ok = out_err <= out_tol and lse_err <= lse_tol
-    call = lambda: triton_partial_attention(query, k_cache, v_cache, meta)  # noqa: E731
+    call = lambda: triton_partial_attention(query, k_cache, v_cache, meta, **hint)  # noqa: E731
     triton_ms = wall_ms(call, iters)
     gpu = device_time(call, iters)
     torch_ms = wall_ms(lambda: partial_attention(query, k_cache, v_cache, meta), max(3, iters // 4))
@@ -121,33 +123,28 @@ def run_case(case: Case, iters: int, gen: torch.Generator, device: torch.device)
 
 
 def sweep_configs(case: Case) -> list[tuple[str, dict]]:
-    """Forced launches to time on ``case``: the legacy plan, the policy's neighbours, and a few outliers."""
+    """Forced launches to time on ``case``: the previous policy, the policy's neighbours, and a few outliers."""
     from infinite_llm.kernels.launch_plan import TileOverrides as T
 
-    if case.chunk > 1:  # legacy: block_m 64, block_n 32, 4 warps, cdiv(2 x 132 SMs, 32 tiles x 8 heads) splits
+    if case.chunk > 1:  # previous: 4 programs per SM (5 splits here)
         return [
-            ("legacy m64 n32 w4 s2", dict(num_splits=2, tiles=T(block_m=64, block_n=32, num_warps=4))),
+            ("previous m128 n64 w8 s5", dict(num_splits=5, tiles=T(block_m=128, block_n=64, num_warps=8))),
             ("m64 n64 w4", dict(tiles=T(block_m=64, block_n=64, num_warps=4))),
-            ("m128 n32 w8", dict(tiles=T(block_m=128, block_n=32, num_warps=8))),
-            ("m128 n64 w8 (policy)", dict(tiles=T(block_m=128, block_n=64, num_warps=8))),
             ("m128 n64 w8 split 1", dict(num_splits=1, tiles=T(block_m=128, block_n=64, num_warps=8))),
-            ("m128 n64 w4", dict(tiles=T(block_m=128, block_n=64, num_warps=4))),
             ("m128 n64 w8 stages 2", dict(tiles=T(block_m=128, block_n=64, num_warps=8, num_stages=2))),
+            ("policy", dict()),
         ]
-    legacy_splits = 33 if case.batch == 1 else 3  # cdiv(2 x 132, batch x 8 kv heads)
-    splits = (16, 33, 64, 132, 264) if case.batch == 1 else (1, 3, 5, 9)
-    configs = [("legacy n32 (policy then)", dict(num_splits=legacy_splits, tiles=T(block_n=32)))]
-    configs += [(f"n64 splits {s}", dict(num_splits=s, tiles=T(block_n=64))) for s in splits]
-    if case.batch == 1:  # one sequence: fewer keys per program, more programs in flight
-        configs += [(f"n32 splits {s}", dict(num_splits=s, tiles=T(block_n=32))) for s in (132, 264)]
-        configs += [(f"n128 splits {s}", dict(num_splits=s, tiles=T(block_n=128))) for s in (33, 66)]
-        configs += [("n64 splits 132 stages 4", dict(num_splits=132, tiles=T(block_n=64, num_stages=4)))]
-        configs += [("n64 splits 132 w2", dict(num_splits=132, tiles=T(block_n=64, num_warps=2)))]
+    # previous policy: 64-key tiles, 4 programs per SM (batch 1: 64 splits; batch 16: 5)
+    previous = 64 if case.batch == 1 else 5
+    splits = (16, 22, 44, 66) if case.batch == 1 else (2, 4, 5)
+    configs = [(f"previous n64 s{previous}", dict(num_splits=previous, tiles=T(block_n=64)))]
+    configs += [("n64 (policy splits)", dict(tiles=T(block_n=64)))]
+    configs += [("n64 splits 3", dict(num_splits=3, tiles=T(block_n=64)))] if case.batch > 1 else []
+    configs += [(f"n128 splits {s}", dict(num_splits=s, tiles=T(block_n=128))) for s in splits]
     configs += [
-        ("n128 (policy splits)", dict(tiles=T(block_n=128))),
-        ("n64 w8 (policy splits)", dict(tiles=T(block_n=64, num_warps=8))),
-        ("n64 stages 2 (policy splits)", dict(tiles=T(block_n=64, num_stages=2))),
-        ("n64 stages 4 (policy splits)", dict(tiles=T(block_n=64, num_stages=4))),
+        ("n128 w8 (policy splits)", dict(tiles=T(block_n=128, num_warps=8))),
+        ("n128 stages 2 (policy splits)", dict(tiles=T(block_n=128, num_stages=2))),
+        ("n128 stages 4 (policy splits)", dict(tiles=T(block_n=128, num_stages=4))),
         ("policy", dict()),
     ]
     return configs
@@ -159,9 +156,10 @@ def run_sweep(case: Case, iters: int, gen: torch.Generator, device: torch.device
 
     query, k_cache, v_cache, meta = make_inputs(case, device, gen)
     ref_out, _ = triton_partial_attention(query, k_cache, v_cache, meta, num_splits=1)
+    hint = dict(max_query_len=1) if case.chunk == 1 else {}  # decode: as the engine's graphs call it
     print(f"-- sweep: {case.name}")
     for label, kwargs in sweep_configs(case):
-        call = lambda kw=kwargs: triton_partial_attention(query, k_cache, v_cache, meta, **kw)  # noqa: E731
+        call = lambda kw=kwargs: triton_partial_attention(query, k_cache, v_cache, meta, **kw, **hint)  # noqa: E731
         try:
             err = max_error(call()[0], ref_out)
             gpu = device_time(call, iters)

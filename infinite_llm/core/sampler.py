@@ -49,7 +49,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if greedy_rows:
-        ids = torch.argmax(logits[greedy_rows], dim=-1).tolist()
+        # all rows greedy (the common batch): no index tensor to upload and gather before the argmax
+        rows = logits if len(greedy_rows) == len(params) else logits[greedy_rows]
+        ids = torch.argmax(rows, dim=-1).tolist()
         for row, tok in zip(greedy_rows, ids, strict=True):
             out[row] = tok
     for i, p in enumerate(params):

@@ -5,13 +5,19 @@ a block list, so decode is bound by HBM bandwidth, and the choices below follow 
 (bytes in flight = bandwidth x latency; H200: ~4.3 TB/s x ~1 us = ~4 MB chip-wide, ~33 KB per SM):
 
 * ``block_n`` (keys per loop iteration) is sized so one iteration loads ``KV_TILE_BYTES`` of K + V (64 keys
-  at head_dim 128 in bf16, 2x the former 32). Each iteration waits on two dependent loads (block ids, then
-  K/V); a bigger tile puts more bytes behind each wait and halves the per-iteration work (reductions,
-  ids gather, loop overhead) per byte.
+  at head_dim 128 in bf16), ``FEW_ROWS_KV_TILE_BYTES`` when a program has few query rows (decode: 128
+  keys). Each iteration waits on two dependent loads (block ids, then K/V); a bigger tile puts more bytes
+  behind each wait and cuts the per-iteration work (reductions, ids gather, loop overhead) per byte.
 * ``num_splits`` (flash-decoding, Dao et al. 2023) spreads one long sequence over ``PROGRAMS_PER_SM`` x SMs
   programs when the batch alone would leave SMs idle: batch 1 x 8 kv heads is 8 programs for 132 SMs,
   so without splits 124 SMs idle. Each split keeps >= ``MIN_KEYS_PER_SPLIT`` keys, which bounds the fp32
   partials the merge reads to a few percent of the KV bytes.
+
+Measured on an H200 (``benchmarks/kernels_gpu.py`` sweep, 32 query / 8 KV heads x 128, bf16, 2026-12-04):
+decode of batch 1 x 32K read K/V at 0.55 of 4.3 TB/s with the former policy (64-key tiles, 4 programs per
+SM: 64 splits), 0.61 with 33 splits, 0.71 with 33 splits of 128-key tiles; more splits than one wave of
+resident programs lost (132 splits: 0.50, 264: 0.40): the merge grows and each program's work shrinks to a
+few tiles. Batch 16 x 32K: 0.83 with 5 splits, 0.94 with 3. Hence 2 programs per SM and 128-key decode tiles.
 * ``block_m`` (query rows per program) is 128 for 16-bit prefill chunks: every query tile re-reads the
   whole context, so 128 rows (32 tokens at GQA group 4) read it half as often as 64 rows, and a
   128-row tile is the tensor-core shape FlashAttention-2 uses. The cost: an accumulator of 128 x head_dim
@@ -27,12 +33,14 @@ from dataclasses import dataclass
 from infinite_llm.core.errors import InvalidRequest
 
 KV_TILE_BYTES = 32 * 1024  # K + V bytes one program loads per iteration
+FEW_ROWS_KV_TILE_BYTES = 64 * 1024  # the same for programs of <= FEW_ROWS query rows (decode)
+FEW_ROWS = 32
 MAX_BLOCK_N = 128  # few query rows: a 16 x 128 score tile is small
 MAX_BLOCK_N_WIDE = 64  # >= 64 query rows: a 128 x 64 fp32 score tile is 32 registers per thread at 8 warps
 WIDE_BLOCK_M = 128  # 16-bit prefill tile rows
 NARROW_BLOCK_M = 64  # fp32 or head_dim > 128
 MIN_ROWS = 16  # smallest tl.dot
-PROGRAMS_PER_SM = 4  # 2 resident at these tiles (3-stage pipeline, ~96 KB shared memory), plus a 2nd wave
+PROGRAMS_PER_SM = 2  # the H200 sweep above: 4 (a second wave of smaller splits, a larger merge) lost
 MIN_KEYS_PER_SPLIT = 256
 NUM_STAGES = 3  # Triton's software pipeline depth for the K/V loads (its default, said once here)
 
@@ -113,8 +121,9 @@ def _block_m(shape: AttentionShape) -> int:
 def _block_n(shape: AttentionShape, block_m: int) -> int:
     """Keys whose K + V fill ``KV_TILE_BYTES``, capped by the score tile's registers; >= one block."""
     key_bytes = 2 * _next_pow2(shape.head_dim) * shape.elem_bytes  # K and V of one key, padded head_dim
-    fit = _prev_pow2(max(1, KV_TILE_BYTES // key_bytes))
-    cap = MAX_BLOCK_N if block_m <= 32 else MAX_BLOCK_N_WIDE
+    tile_bytes = FEW_ROWS_KV_TILE_BYTES if block_m <= FEW_ROWS else KV_TILE_BYTES
+    fit = _prev_pow2(max(1, tile_bytes // key_bytes))
+    cap = MAX_BLOCK_N if block_m <= FEW_ROWS else MAX_BLOCK_N_WIDE
     return max(MIN_ROWS, shape.block_size, min(fit, cap))
 
 

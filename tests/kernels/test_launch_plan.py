@@ -18,22 +18,22 @@ def llama(batch: int, context: int, query_len: int = 1, elem_bytes: int = 2, **c
 
 
 def test_decode_of_one_long_sequence_spreads_over_every_sm():
-    # 8 programs without splits; 4 per SM wants 66 splits, aligned to whole 64-key iterations: 64 x 512 keys
+    # 8 programs without splits; 2 per SM wants 33 splits, aligned to whole 128-key iterations: 32 x 1024 keys
     assert plan_launch(llama(1, 32768), H200_SMS) == LaunchPlan(
         block_m=16,
-        block_n=64,
+        block_n=128,
         num_q_tiles=1,
-        num_splits=64,
-        blocks_per_split=32,
-        split_align=4,
+        num_splits=32,
+        blocks_per_split=64,
+        split_align=8,
         num_warps=4,
         num_stages=3,
     )
 
 
-def test_decode_of_sixteen_sequences_splits_five_ways():
+def test_decode_of_sixteen_sequences_splits_three_ways():
     plan = plan_launch(llama(16, 32768), H200_SMS)
-    assert (plan.num_splits, plan.blocks_per_split, plan.block_n) == (5, 412, 64)
+    assert (plan.num_splits, plan.blocks_per_split, plan.block_n) == (3, 688, 128)
     assert plan.blocks_per_split % (plan.block_n // 16) == 0
 
 
@@ -49,13 +49,13 @@ def test_short_contexts_keep_at_least_256_keys_per_split():
 def test_bf16_prefill_chunk_takes_128_row_tiles_with_8_warps():
     # 512 tokens x group 4 = 2048 rows: 16 tiles of 32 tokens, each re-reading the context (was 32 tiles)
     plan = plan_launch(llama(1, 32768, query_len=512), H200_SMS)
-    assert (plan.block_m, plan.block_n, plan.num_q_tiles, plan.num_warps, plan.num_splits) == (128, 64, 16, 8, 5)
+    assert (plan.block_m, plan.block_n, plan.num_q_tiles, plan.num_warps, plan.num_splits) == (128, 64, 16, 8, 3)
 
 
 def test_fp32_keeps_64_row_tiles_and_32_key_iterations():
     plan = plan_launch(llama(1, 32768, query_len=512, elem_bytes=4), H200_SMS)
     assert (plan.block_m, plan.block_n, plan.num_warps) == (64, 32, 4)
-    assert plan_launch(llama(1, 32768, elem_bytes=4), H200_SMS).block_n == 32
+    assert plan_launch(llama(1, 32768, elem_bytes=4), H200_SMS).block_n == 64  # decode: 64 KB tiles
 
 
 def test_smaller_heads_take_more_keys_per_iteration():
