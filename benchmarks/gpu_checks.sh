@@ -8,8 +8,10 @@
 #      (INFINITE_LLM_TESTS_NO_DOWNLOAD=1: the GPU machine has no network).
 #   2. benchmarks/kernels_gpu.py: kernel vs torch reference, GPU time, KV TB/s vs 4.3 TB/s, tile/split sweep.
 #   3. benchmarks/engine_gpu.py: engine vs HF generate on a random-weight Llama-3.2-1B-shaped model.
-# Logs land in "$OUT" (default ./gpu_out): one <step>.log each, env.txt, summary.txt. Under ~9 minutes in
-# all (limits 180 + 120 + 210 s). The machine has plain python3 (no venv) with torch, triton, transformers.
+#   4. benchmarks/mesh_gpu.py: 3 attention-server processes on the GPU behind gRPC vs the in-process engine,
+#      when the serving packages' wheels travel in .whl/ (README "On GPUs" says which).
+# Logs land in "$OUT" (default ./gpu_out): one <step>.log each, env.txt, summary.txt. Under ~12 minutes in
+# all (limits 180 + 120 + 210 + 180 s). The machine has plain python3 (no venv) with torch, triton, transformers.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
@@ -53,6 +55,13 @@ else
 fi
 run_step kernels_gpu 120 "$PY" benchmarks/kernels_gpu.py
 run_step engine_gpu 210 "$PY" benchmarks/engine_gpu.py
+if ls .whl/*.whl >/dev/null 2>&1; then # the serving packages the H200 machine lacks (README "On GPUs")
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >"$OUT/wheels.log" 2>&1
+    run_step mesh_gpu 180 env PYTHONPATH="/tmp/site:$PYTHONPATH" "$PY" benchmarks/mesh_gpu.py
+else
+    SUMMARY+=("mesh_gpu: no .whl/ with the serving packages, skipped")
+fi
 
 {
     echo "==== summary"
@@ -63,4 +72,6 @@ run_step engine_gpu 210 "$PY" benchmarks/engine_gpu.py
     grep -E "ctx=32k|^--|^   " "$OUT/kernels_gpu.log" 2>/dev/null || true
     echo "---- engine_gpu"
     cat "$OUT/engine_gpu.log" 2>/dev/null | grep -v -E "Warning|warn|^\s*$" | tail -n 30 || true
+    echo "---- mesh_gpu"
+    cat "$OUT/mesh_gpu.log" 2>/dev/null | grep -v -E "Warning|warn|^\s*$" | tail -n 10 || true
 } | tee "$OUT/summary.txt"

@@ -72,12 +72,15 @@ class StepPlan:
             whose K/V this holder stores, in step order.
         num_tokens: query rows of the plan (every new token of each planned sequence, in step order).
         seq_versions: ``(seq_id, version)`` of each sequence at planning; a free in between voids the plan.
+        max_query_len: the most new tokens of one sequence (decode: 1; 0 for an empty plan), handed to the
+            kernel so that it reads no query length back from the device (a host sync per layer on a GPU).
     """
 
     meta: PartialAttentionMetadata
     slot_mapping: torch.Tensor
     num_tokens: int
     seq_versions: tuple[tuple[str, int], ...]
+    max_query_len: int = 0
 
     @property
     def num_new_here(self) -> int:
@@ -378,6 +381,7 @@ class RManager:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_tokens=starts[-1],
             seq_versions=rows.seq_versions,
+            max_query_len=max((s.num_new for s in seqs), default=0),
         )
 
     def _metadata(self, starts, positions, ctx, ids, idx) -> PartialAttentionMetadata:  # noqa: ANN001
@@ -423,7 +427,8 @@ class RManager:
         stale = [s for s, v in plan.seq_versions if self._versions.get(s) != v or s not in self._owned]
         if stale:
             raise NotFound(f"sequences {stale[:4]} were freed during the step")
-        return self.attend_planned(layer, plan.meta, plan.slot_mapping, query, new_key, new_value)
+        hint = plan.max_query_len or None  # an empty plan: the kernel returns before reading it
+        return self.attend_planned(layer, plan.meta, plan.slot_mapping, query, new_key, new_value, hint)
 
     def attend_planned(
         self,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from infinite_llm.core.attention import partial_attention
 from infinite_llm.core.dist_attention import BlockRef, DistAttention
 from infinite_llm.core.errors import InvalidRequest, NotFound
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
@@ -81,6 +82,25 @@ def test_a_holder_plans_a_step_from_its_own_records():
     assert plan1.slot_mapping.tolist() == [0 * 4 + 3]  # position 7 lives in block 1 (id 0 on P1)
     assert plan0.meta.query_positions.tolist() == [7, 8, 9] == plan1.meta.query_positions.tolist()
     assert plan0.meta.context_lens.tolist() == [10]
+
+
+def test_a_plan_hands_the_kernel_its_longest_query_run():
+    """The kernel launcher reads the longest query run from the plan, not back from the device (a host sync
+    per layer on a GPU): 3 new tokens of "s" and 1 of "t" give 3."""
+    seen = []
+
+    def recording(query, k_cache, v_cache, meta, scale=None, max_query_len=None):  # noqa: ANN001, ANN202
+        seen.append(max_query_len)
+        return partial_attention(query, k_cache, v_cache, meta, scale)
+
+    rm = RManager(4, LAYOUT, attention_impl=recording)
+    rm.allocate("s", [0, 1, 2])
+    rm.allocate("t", [0])
+    plan = rm.plan_step([SeqStep("s", 7, 3), SeqStep("t", 2, 1)])
+    assert plan.max_query_len == 3
+    q, kv = torch.zeros(4, 4, 8), torch.zeros(4, 2, 8)
+    rm.attend(0, plan, q, kv, kv)
+    assert seen == [3]
 
 
 def test_a_plan_is_void_once_its_sequence_is_freed():
