@@ -12,18 +12,20 @@ a block list, so decode is bound by HBM bandwidth, and the choices below follow 
   programs when the batch alone would leave SMs idle: batch 1 x 8 kv heads is 8 programs for 132 SMs,
   so without splits 124 SMs idle. Each split keeps >= ``MIN_KEYS_PER_SPLIT`` keys, which bounds the fp32
   partials the merge reads to a few percent of the KV bytes.
-
-Measured on an H200 (``benchmarks/kernels_gpu.py`` sweep, 32 query / 8 KV heads x 128, bf16, 2026-12-04):
-decode of batch 1 x 32K read K/V at 0.55 of 4.3 TB/s with the former policy (64-key tiles, 4 programs per
-SM: 64 splits), 0.61 with 33 splits, 0.71 with 33 splits of 128-key tiles; more splits than one wave of
-resident programs lost (132 splits: 0.50, 264: 0.40): the merge grows and each program's work shrinks to a
-few tiles. Batch 16 x 32K: 0.83 with 5 splits, 0.94 with 3. Hence 2 programs per SM and 128-key decode tiles.
 * ``block_m`` (query rows per program) is 128 for 16-bit prefill chunks: every query tile re-reads the
   whole context, so 128 rows (32 tokens at GQA group 4) read it half as often as 64 rows, and a
   128-row tile is the tensor-core shape FlashAttention-2 uses. The cost: an accumulator of 128 x head_dim
   fp32 needs 8 warps (64 registers per thread at head_dim 128), a chunk shorter than the tile computes
   padding rows, and fewer programs per chunk (the splits make up for it). fp32 and head_dim > 128 keep
   64 rows, whose register and shared-memory footprints are known to fit.
+
+Measured on an H200 (``benchmarks/kernels_gpu.py`` sweeps, 32 query / 8 KV heads x 128, bf16, 2026-12-04):
+decode of batch 1 x 32K read K/V at 0.55 of 4.3 TB/s with the former policy (64-key tiles, 4 programs per
+SM: 64 splits), 0.61 with 33 splits, 0.71 with 33 splits of 128-key tiles; more splits lost (132: 0.50,
+264: 0.40): the merge grows and each program's work shrinks to a few tiles. Batch 16 x 32K: 0.83 with 5
+splits, 0.94 with 3. Hence 2 programs per SM and 128-key decode tiles; this policy then read batch 1 x 32K
+at 0.77 and batch 16 x 32K at 0.83. In that run a 2-stage pipeline read batch 16 x 32K at 0.99 and batch 1
+at 0.74: the stage count is the next question (README "On GPUs").
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ def _block_m(shape: AttentionShape) -> int:
 
 
 def _block_n(shape: AttentionShape, block_m: int) -> int:
-    """Keys whose K + V fill ``KV_TILE_BYTES``, capped by the score tile's registers; >= one block."""
+    """Keys whose K + V fill ``KV_TILE_BYTES`` (``FEW_ROWS_KV_TILE_BYTES`` for few query rows), capped by the
+    score tile's registers; >= one block."""
     key_bytes = 2 * _next_pow2(shape.head_dim) * shape.elem_bytes  # K and V of one key, padded head_dim
     tile_bytes = FEW_ROWS_KV_TILE_BYTES if block_m <= FEW_ROWS else KV_TILE_BYTES
     fit = _prev_pow2(max(1, tile_bytes // key_bytes))

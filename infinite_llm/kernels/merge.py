@@ -69,8 +69,8 @@ def launch_merge(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return
-    # parts per pass: up to 64 (the split-KV decode's one wave: 33 on an H200) load in one round; a
-    # [64, 128] fp32 tile is 64 registers per thread at 4 warps. Cap 16 took 3 rounds x 2 passes for 33.
+    # parts per pass: up to 64 load in one round (a split-KV decode on an H200 has ~32, launch_plan.py); a
+    # [64, 128] fp32 tile is 64 registers per thread at 4 warps. A cap of 16 took 3 rounds in each pass.
     block_p = min(next_power_of_2(num_parts), MAX_PARTS_PER_PASS)
     _merge_kernel[(num_rows,)](
         outs,
