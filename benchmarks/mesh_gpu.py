@@ -11,8 +11,10 @@ boundary. It prints:
 1. fp32 greedy tokens of the mesh vs HF ``generate`` (one prompt at a time) vs the in-process engine with 3
    partitions, prompts around block and server boundaries, all in one batch; then every rBlock is back on
    the servers' free lists;
-2. bf16 decode tok/s at batch 1 and 16 (prompt 512): the mesh, the in-process engine eager and with CUDA
-   graphs, and the ratios (what the network hop between layers costs on this machine).
+2. bf16 decode tok/s at batch 1 and 16 (prompt 512): the in-process engine eager and with CUDA graphs, then
+   the mesh with its servers on the GPU and with them on the CPU (the compute engine on the GPU both
+   times: four processes sharing one GPU time-slice it), each with the ratios and the share of a step
+   spent in the per-layer fan-out (send q/k/v, wait for every server's partial, merge).
 
 Exits 0 without a GPU unless ``--device cpu`` (``--tiny``: the smoke test of the code path, seconds).
 Needs torch, triton, transformers, grpcio and the serving packages of ``pyproject.toml``.
@@ -187,24 +189,38 @@ def check_equality(hf, work: Workload, device: str, blocks: int) -> bool:
 
 
 def compare_decode(hf, work: Workload, device: str, blocks: int) -> None:
-    """bf16 decode tok/s: mesh vs in-process eager vs in-process CUDA graphs, per batch size."""
+    """bf16 decode tok/s: the mesh (servers on ``device``, then on the CPU) vs the in-process engine eager and
+    with CUDA graphs, per batch size; and where a mesh step goes (the per-layer fan-out vs the rest)."""
     hf = hf.to(torch.bfloat16)
     eager = build_engine(hf, work, torch.bfloat16, device, enforce_eager=True)
     graphs = build_engine(hf, work, torch.bfloat16, device) if device != "cpu" else None
+    prompts = {b: random_prompts(b, work.prompt_len, work.model["vocab_size"], seed=b) for b in work.batches}
     print(f"bf16 decode tok/s, prompt {work.prompt_len}, {work.new_tokens} new tokens")
-    with attention_servers(work, "bfloat16", device, blocks) as servers:
-        mesh = mesh_engine(hf, work, servers, torch.bfloat16, device, blocks)
-        for batch in work.batches:
-            prompts = random_prompts(batch, work.prompt_len, work.model["vocab_size"], seed=batch)
-            for engine in (mesh, eager, graphs):
-                if engine is not None:
-                    run_engine(engine, prompts, 4)  # warm-up
-            m = run_engine(mesh, prompts, work.new_tokens).decode_tok_s
-            e = run_engine(eager, prompts, work.new_tokens).decode_tok_s
-            g = run_engine(graphs, prompts, work.new_tokens).decode_tok_s if graphs is not None else float("nan")
-            print(f"  batch {batch:3d}: mesh {m:8.1f}  in-process eager {e:8.1f}  graphs {g:8.1f}  "
-                  f"mesh/eager {m / e:5.2f}  mesh/graphs {m / g:5.2f}  "
-                  f"({1e3 * batch / m:6.2f} ms per mesh step)")  # fmt: skip
+    local: dict[int, tuple[float, float]] = {}
+    for batch in work.batches:
+        for engine in (eager, graphs):
+            if engine is not None:
+                run_engine(engine, prompts[batch], 4)  # warm-up
+        e = run_engine(eager, prompts[batch], work.new_tokens).decode_tok_s
+        g = run_engine(graphs, prompts[batch], work.new_tokens).decode_tok_s if graphs is not None else float("nan")
+        local[batch] = (e, g)
+        print(f"  batch {batch:3d}: in-process eager {e:8.1f}  graphs {g:8.1f}")
+    layers = work.model["num_hidden_layers"]
+    server_devices = [device] + (["cpu"] if device != "cpu" else [])  # the second isolates GPU sharing
+    for server_device in server_devices:
+        with attention_servers(work, "bfloat16", server_device, blocks) as servers:
+            mesh = mesh_engine(hf, work, servers, torch.bfloat16, device, blocks)
+            kv = mesh.kv
+            for batch in work.batches:
+                run_engine(mesh, prompts[batch], 4)  # warm-up
+                before = (kv.fan_out_seconds, kv.fan_out_count)
+                m = run_engine(mesh, prompts[batch], work.new_tokens).decode_tok_s
+                fan_s, fan_n = kv.fan_out_seconds - before[0], kv.fan_out_count - before[1]
+                fan_ms = 1e3 * fan_s / max(fan_n, 1)  # the prefill's layers are in the mean too (1 step of ~65)
+                e, g = local[batch]
+                print(f"  batch {batch:3d}: mesh, servers on {server_device:4s} {m:8.1f}  mesh/eager {m / e:5.2f}  "
+                      f"mesh/graphs {m / g:5.2f}  ({1e3 * batch / m:6.2f} ms a step; fan-out {fan_ms:5.2f} ms a "
+                      f"layer x {layers} layers = {fan_ms * layers:6.2f} ms)")  # fmt: skip
 
 
 def main() -> int:
