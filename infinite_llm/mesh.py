@@ -68,7 +68,7 @@ class MeshConfig:
     attention_servers: int = 3
     compute_instances: int = 1
     kv_memory_bytes: int = 64 << 20
-    router_port: int = 50051
+    router_port: int = 50051  # 0 = any free one
     manager_port: int = 0
     standby_managers: int = 0  # hot standbys (serve manager --standby) beside the leader, each on a free port
     model: str | None = None
@@ -106,6 +106,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     metrics_address: str | None = None  # HOST:PORT serving Prometheus /metrics
+    fixed_port: bool = False  # the caller chose the port: never moved to another
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -202,6 +203,7 @@ class LocalMesh:
             gateway = self._spawn(
                 "gateway", "gateway", c.gateway_port or free_port(), ["--router", router.address, *self._model_args()]
             )
+            gateway.fixed_port = bool(c.gateway_port)
             self._wait_healthy([p for p in self.procs if p is not gateway])
             self._wait_healthy([gateway], check=http_health_check)
             self.wait_registered(c.attention_servers)
@@ -215,7 +217,9 @@ class LocalMesh:
         """Start a router (``port`` 0: a free one) that follows the manager's compute instances; the first is the
         mesh's (:attr:`router_address`), tests start more (``shutdown_grace_s``: its own ``--shutdown-grace``)."""
         args = ["--manager", self.manager_address, "--discovery-interval", str(self.config.discovery_interval_s)]
-        return self._spawn("router", name, port or free_port(), [*args, *self._model_args()], shutdown_grace_s)
+        proc = self._spawn("router", name, port or free_port(), [*args, *self._model_args()], shutdown_grace_s)
+        proc.fixed_port = bool(port)
+        return proc
 
     def spawn_attention(self, name: str, kv_memory_bytes: int | None = None) -> Proc:
         """Start one more attention server (also used by tests that add or kill servers) with
@@ -246,7 +250,7 @@ class LocalMesh:
         restart instances)."""
         c = self.config
         home_args = ["--home", ",".join(homes)] if homes else []
-        return self._spawn(
+        proc = self._spawn(
             "compute",
             name,
             port or free_port(),
@@ -268,6 +272,8 @@ class LocalMesh:
                 *self._model_args(),
             ],
         )
+        proc.fixed_port = bool(port)
+        return proc
 
     def respawn(self, proc: Proc) -> Proc:
         """Run ``proc``'s command again (same name, port and flags; its log goes on) once it exited, as a
@@ -348,21 +354,44 @@ class LocalMesh:
                 time.sleep(0.2)
 
     def _rebind(self, proc: Proc, max_tries: int = 3) -> bool:
-        """Start an attention server or compute instance again on fresh ports when it exited because its
-        port was taken between :func:`free_port` and its bind (another process's ephemeral port: tensor
-        channels open many). Returns whether it was restarted."""
+        """Start a service again on fresh ports when it exited because its port was taken between
+        :func:`free_port` and its bind (another process's ephemeral port: tensor channels and the tests'
+        parallel meshes open many). A port the caller chose is never moved; the manager is not either (every
+        other process is given its address). A router that moves takes the gateways that dial it along.
+        Returns whether it was restarted."""
         tries = self._rebinds.get(proc.name, 0)
-        if proc.role not in ("attention", "compute") or tries >= max_tries or "cannot bind" not in tail(proc.log_path):
+        movable = proc.role in ("attention", "compute", "router", "gateway") and not proc.fixed_port
+        if not movable or tries >= max_tries or not _bind_failed(proc.log_path):
             return False
         self._rebinds[proc.name] = tries + 1
-        args = list(proc.popen.args)
-        port, metrics_port = free_port(), free_port()
-        args[args.index("--port") + 1] = str(port)
-        args[args.index("--metrics-port") + 1] = str(metrics_port)
-        proc.popen = _popen(args, proc.log_path, proc.role, self.config.service_nice, append=True)
-        proc.address, proc.metrics_address = f"{HOST}:{port}", f"{HOST}:{metrics_port}"
+        old_address = proc.address
+        self._restart_on(proc, free_port())
         log.warning("%s: its port was taken before it bound; started again on %s", proc.name, proc.address)
+        if proc.role == "router":
+            for gateway in self._by_role("gateway"):
+                args = list(gateway.popen.args)
+                if args[args.index("--router") + 1] == old_address:
+                    gateway.popen.terminate()
+                    gateway.popen.wait(10)
+                    self._restart_on(gateway, None, router=proc.address)
         return True
+
+    def _restart_on(self, proc: Proc, port: int | None, router: str | None = None) -> None:
+        """Start ``proc``'s command again (its log appended), on ``port`` (``None``: the same) and a fresh
+        metrics port, dialling ``router`` when given."""
+        args = list(proc.popen.args)
+        if port is not None:
+            args[args.index("--port") + 1] = str(port)
+            proc.address = f"{HOST}:{port}"
+        if "--metrics-port" in args:
+            metrics_port = free_port()
+            args[args.index("--metrics-port") + 1] = str(metrics_port)
+            proc.metrics_address = f"{HOST}:{metrics_port}"
+        elif port is not None:
+            proc.metrics_address = proc.address  # the gateway serves /metrics on its own HTTP port
+        if router is not None:
+            args[args.index("--router") + 1] = router
+        proc.popen = _popen(args, proc.log_path, proc.role, self.config.service_nice, append=True)
 
     def wait_registered(self, n: int, timeout_s: float = 30.0) -> None:
         """Wait until the manager lists exactly ``n`` attention servers."""
@@ -515,6 +544,13 @@ def port_in_use(port: int, host: str = HOST) -> bool:
         except OSError:
             return True
     return False
+
+
+def _bind_failed(log_path: Path) -> bool:
+    """Whether a service's log ends saying one of its ports was taken (our gRPC server, uvicorn, the
+    Prometheus metrics server)."""
+    text = tail(log_path).lower()
+    return "cannot bind" in text or "address already in use" in text
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -148,3 +148,66 @@ def test_a_mesh_that_stops_normally_removes_its_run_directory(monkeypatch):
     mesh._setup_tls()
     mesh.stop()
     assert not mesh.log_dir.exists()
+
+
+def _bound_elsewhere(mesh: LocalMesh, role: str, name: str, args: list[str], log: str, exits: bool) -> Proc:
+    """A stand-in service started with ``args`` whose log reads ``log``; it has exited when ``exits``."""
+    log_path = mesh.log_dir / f"{name}.log"
+    log_path.write_text(log)
+    popen = subprocess.Popen(["sh", "-c", "exit 1" if exits else "sleep 60", "sh", *args])
+    if exits:
+        popen.wait()
+    port = args[args.index("--port") + 1]
+    proc = Proc(role, name, f"127.0.0.1:{port}", popen, log_path, f"127.0.0.1:{port}")
+    mesh.procs.append(proc)
+    return proc
+
+
+def _arg(proc: Proc, flag: str) -> str:
+    args = list(proc.popen.args)
+    return args[args.index(flag) + 1]
+
+
+GRPC_BIND = "infinite_llm.core.errors.Unavailable: cannot bind 127.0.0.1:{}: [Errno 98] Address already in use\n"
+
+
+def test_a_router_whose_port_was_taken_moves_and_takes_its_gateway_along(mesh):
+    router = _bound_elsewhere(mesh, "router", "router", ["--port", "40001", "--metrics-port", "40002"],
+                              GRPC_BIND.format(40001), exits=True)  # fmt: skip
+    gateway = _bound_elsewhere(mesh, "gateway", "gateway", ["--port", "40003", "--router", "127.0.0.1:40001"],
+                               "", exits=False)  # fmt: skip
+    other = _bound_elsewhere(mesh, "gateway", "gateway-b", ["--port", "40004", "--router", "127.0.0.1:49999"],
+                             "", exits=False)  # fmt: skip
+    gateway_pid, other_pid = gateway.popen.pid, other.popen.pid
+    assert mesh._rebind(router)
+    port = _arg(router, "--port")
+    assert port != "40001" and router.address == f"127.0.0.1:{port}"
+    assert router.metrics_address == f"127.0.0.1:{_arg(router, '--metrics-port')}" != "127.0.0.1:40002"
+    assert gateway.popen.pid != gateway_pid and _arg(gateway, "--router") == router.address
+    assert gateway.address == "127.0.0.1:40003" and _arg(gateway, "--port") == "40003"
+    assert other.popen.pid == other_pid and _arg(other, "--router") == "127.0.0.1:49999"
+
+
+def test_a_gateway_whose_port_was_taken_moves_with_its_metrics(mesh):
+    uvicorn = (
+        "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 40005): address already in use\n"
+    )
+    gateway = _bound_elsewhere(mesh, "gateway", "gateway", ["--port", "40005", "--router", "127.0.0.1:40001"],
+                               uvicorn, exits=True)  # fmt: skip
+    assert mesh._rebind(gateway)
+    assert gateway.address == f"127.0.0.1:{_arg(gateway, '--port')}" == gateway.metrics_address != "127.0.0.1:40005"
+    assert _arg(gateway, "--router") == "127.0.0.1:40001"
+
+
+def test_a_port_the_caller_chose_the_manager_and_other_exits_are_not_moved(mesh):
+    fixed = _bound_elsewhere(mesh, "router", "router", ["--port", "40006", "--metrics-port", "40007"],
+                             GRPC_BIND.format(40006), exits=True)  # fmt: skip
+    fixed.fixed_port = True
+    manager = _bound_elsewhere(mesh, "manager", "manager-0", ["--port", "40008", "--metrics-port", "40009"],
+                               GRPC_BIND.format(40008), exits=True)  # fmt: skip
+    crashed = _bound_elsewhere(mesh, "compute", "compute-0", ["--port", "40010", "--metrics-port", "40011"],
+                               "RuntimeError: out of memory\n", exits=True)  # fmt: skip
+    for proc in (fixed, manager, crashed):
+        pid = proc.popen.pid
+        assert not mesh._rebind(proc)
+        assert proc.popen.pid == pid

@@ -43,11 +43,11 @@ def mesh_config(**overrides) -> MeshConfig:
         attention_servers=3,
         compute_instances=1,
         kv_memory_bytes=BLOCKS_PER_SERVER * BYTES_PER_BLOCK,
-        router_port=_free_port(),
+        router_port=0,  # any free port; moved if another process takes it before the router binds
         block_size=BLOCK_SIZE,
         member_ttl_s=3,
         max_num_batched_tokens=256,
-        gateway_port=_free_port(),
+        gateway_port=0,
     )
     return MeshConfig(**{**fields, **overrides})
 
@@ -96,12 +96,6 @@ def http(mesh):
 def oai(mesh):
     """The official OpenAI client on the session mesh's gateway."""
     return openai.OpenAI(base_url=f"http://{mesh.gateway_address}/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-
-def _free_port() -> int:
-    from infinite_llm.state.etcd_launcher import free_port
-
-    return free_port()
 
 
 def server_stats(address: str) -> apb.GetStatsResponse:

@@ -11,7 +11,6 @@ import pytest
 
 from infinite_llm.client import CapacityExhausted, Client
 from infinite_llm.mesh import LocalMesh, MeshConfig
-from infinite_llm.state.etcd_launcher import free_port
 from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, all_blocks_free, wait_until
 
 
@@ -20,8 +19,8 @@ def busy_mesh(default_model_path):
     config = MeshConfig(
         attention_servers=1,
         kv_memory_bytes=32 * BYTES_PER_BLOCK,
-        router_port=free_port(),
-        gateway_port=free_port(),
+        router_port=0,
+        gateway_port=0,
         block_size=BLOCK_SIZE,
         max_num_seqs=1,
         max_waiting=1,

@@ -8,7 +8,6 @@ import pytest
 from infinite_llm.client import Client
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.mesh import LocalMesh, MeshConfig
-from infinite_llm.state.etcd_launcher import free_port
 from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, RECOVERIES, all_blocks_free, wait_until
 from tests.e2e.test_mesh_generation import TEXT
 from tests.e2e.test_observability import scrape, value
@@ -19,7 +18,8 @@ def small_mesh(default_model_path):
     config = MeshConfig(
         attention_servers=3,
         kv_memory_bytes=8 * BYTES_PER_BLOCK,
-        router_port=free_port(),
+        router_port=0,
+        gateway_port=0,
         block_size=BLOCK_SIZE,
         member_ttl_s=3,
     )

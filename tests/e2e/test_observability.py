@@ -12,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infinite_llm.client import Client
 from infinite_llm.mesh import LocalMesh, MeshConfig
-from infinite_llm.state.etcd_launcher import free_port
 from tests.e2e.conftest import BLOCK_SIZE, BYTES_PER_BLOCK, wait_until
 
 
@@ -140,8 +139,8 @@ def traced_mesh(default_model_path, tmp_path_factory):
         config = MeshConfig(
             attention_servers=2,
             kv_memory_bytes=16 * BYTES_PER_BLOCK,
-            router_port=free_port(),
-            gateway_port=free_port(),
+            router_port=0,
+            gateway_port=0,
             block_size=BLOCK_SIZE,
         )
         with LocalMesh(config) as m:
