@@ -34,10 +34,3 @@ def test_tiny_cpu_run_prints_every_section_and_equal_greedy_tokens(engine_gpu, m
                  "(1/1 sequences with the eager tokens)", "(4/4 sequences with the eager tokens)",
                  "equality: ok"):  # fmt: skip
         assert line in out
-
-
-def test_without_cuda_the_gpu_run_exits_0_with_one_line(engine_gpu, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["engine_gpu.py"])
-    monkeypatch.setattr(engine_gpu.torch.cuda, "is_available", lambda: False)
-    assert engine_gpu.main() == 0
-    assert capsys.readouterr().out.strip().count("\n") == 0
