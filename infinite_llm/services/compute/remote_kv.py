@@ -21,11 +21,13 @@ from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.core.dist_attention import BlockId, BlockRef, DistAttention, HolderId
 from infinite_llm.core.errors import CapacityExhausted, FailedPrecondition, InvalidRequest, Unavailable
 from infinite_llm.core.prefix_cache import BlockHash
+from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import sync_channel
+from infinite_llm.rpc.codec import dtype_name
 from infinite_llm.rpc.errors import describe_rpc_error
 from infinite_llm.rpc.options import serving_only
 
@@ -41,6 +43,13 @@ PLACE_RETRY_S = 1.0
 # a frozen manager must not hold every running sequence's step for the call's full deadline.
 OPTIONAL_CALL_S = 2.0
 TRANSPORTS = ("grpc", "torch")
+
+
+def _describe(layout: tuple[str, int, int, int]) -> str:
+    dtype, layers, kv_heads, head_dim = layout
+    return f"{dtype} for {layers} layers x {kv_heads} KV heads x {head_dim}"
+
+
 STARTUP_RETRY_S = 30.0  # how long a starting instance waits for an unreachable manager (seconds)
 
 
@@ -86,11 +95,14 @@ class ManagerPlacement:
         with self._lock:
             self._addresses[server] = address
 
-    def check_cluster(self) -> None:
+    def check_cluster(self, layout: KVLayout | None = None) -> None:
         """Fail fast at startup: raises ``FailedPrecondition`` when a live attention server's block size
-        differs from this instance's (the manager refuses such placements anyway). A manager that is
-        unreachable (starting, or its TLS handshake timed out on a loaded host) is retried with backoff for
-        ``STARTUP_RETRY_S`` seconds before ``Unavailable`` ends the start."""
+        differs from this instance's (the manager refuses such placements anyway), or, given the ``layout``
+        this instance's model and dtype need, when a server keeps KV of another dtype, layer count, KV head
+        count or head size (every step would be refused, and every request fail). A server that does not
+        answer its ``GetStats`` is skipped (it may be stopping). A manager that is unreachable (starting, or
+        its TLS handshake timed out on a loaded host) is retried with backoff for ``STARTUP_RETRY_S``
+        seconds before ``Unavailable`` ends the start."""
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(
                 lambda e: isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
@@ -107,6 +119,27 @@ class ManagerPlacement:
         if other:
             raise FailedPrecondition(
                 f"this compute instance uses rBlocks of {self.block_size} tokens; the cluster's servers use {other}"
+            )
+        if layout is not None:
+            for server in state.servers:
+                self._check_layout(server.server_id, server.address, layout)
+
+    def _check_layout(self, server_id: str, address: str, layout: KVLayout) -> None:
+        """Raises ``FailedPrecondition`` when the server at ``address`` keeps KV unlike ``layout``."""
+        try:
+            stub = agrpc.AttentionServerStub(sync_channel(address))
+            got = stub.GetStats(apb.GetStatsRequest(), timeout=min(self.timeout_s, OPTIONAL_CALL_S)).layout
+        except grpc.RpcError as e:
+            log.warning("attention server %s at %s did not say its KV layout: %s", server_id, address,
+                        describe_rpc_error(e))  # fmt: skip
+            return
+        want = (dtype_name(layout.dtype), layout.num_layers, layout.num_kv_heads, layout.head_dim)
+        have = (got.dtype, got.num_layers, got.num_kv_heads, got.head_dim)
+        if have != want:
+            raise FailedPrecondition(
+                f"attention server {server_id} keeps KV as {_describe(have)}; this compute instance's model "
+                f"and --dtype need {_describe(want)}: give every attention server and compute instance of a "
+                "cluster the same model and dtype"
             )
 
     def _cluster(self) -> tuple[int, int]:

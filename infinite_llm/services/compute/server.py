@@ -21,6 +21,7 @@ from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.dist_attention import DistAttention
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.ids import check_id
+from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.engine import EngineConfig, LLMEngine
 from infinite_llm.observability.metrics import EngineMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
@@ -103,7 +104,15 @@ def build_engine(
         instance_id=config.instance_id,
         prefix_cache_model_id=model_id,
     )
-    kv.placement.check_cluster()
+    kv.placement.check_cluster(
+        KVLayout(
+            num_layers=model_config.num_hidden_layers,
+            block_size=config.block_size,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            dtype=config.dtype,
+        )
+    )
     engine_config = EngineConfig(
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
