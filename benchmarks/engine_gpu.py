@@ -326,6 +326,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="2-layer model, a few tokens: a smoke test")
     parser.add_argument("--skip-equality", action="store_true", help="skip the fp32 equality check")
     args = parser.parse_args()
+    if args.device == "cpu" and not args.tiny:  # the 1B-shaped workload would take hours on a CPU
+        parser.error("--device cpu runs only the --tiny smoke workload")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("engine_gpu.py needs a CUDA GPU (or --device cpu --tiny); none found, nothing to measure.")
         return 0

@@ -11,18 +11,25 @@
 #   4. benchmarks/mesh_gpu.py: 3 attention-server processes on the GPU behind gRPC vs the in-process engine,
 #      when the serving packages' wheels travel in .whl/ (README "On GPUs" says which).
 # Logs land in "$OUT" (default ./gpu_out): one <step>.log each, env.txt, summary.txt. Under ~12 minutes in
-# all (limits 180 + 120 + 210 + 180 s). The machine has plain python3 (no venv) with torch, triton, transformers.
+# all (limits 180 + 120 + 210 + 180 s). Python: $PYTHON, else the project's .venv/bin/python when there is one,
+# else python3 (the H200 machine's has torch, triton, transformers). Without a CUDA GPU it says so in one line
+# and exits 0; it exits 1 when a step failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 # a step killed at its limit still leaves its output in the log
 export INFINITE_LLM_TESTS_NO_DOWNLOAD=1
 unset TRITON_INTERPRET INFINITE_LLM_TRITON
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_checks.sh: $PY sees no CUDA GPU (or has no torch): nothing to check"
+    exit 0
+fi
 
 SUMMARY=()
+FAILED=0
 run_step() { # run_step NAME LIMIT_SECONDS COMMAND...: log to $OUT/NAME.log, record rc and seconds
     local name=$1 limit=$2
     shift 2
@@ -33,6 +40,7 @@ run_step() { # run_step NAME LIMIT_SECONDS COMMAND...: log to $OUT/NAME.log, rec
     local note=""
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then note=" TIMED OUT"; fi
     SUMMARY+=("$name: rc=$rc$note in $((SECONDS - start))s")
+    [ "$rc" -eq 0 ] || FAILED=1
     echo "   rc=$rc$note in $((SECONDS - start))s"
 }
 
@@ -75,3 +83,4 @@ fi
     echo "---- mesh_gpu"
     cat "$OUT/mesh_gpu.log" 2>/dev/null | grep -v -E "Warning|warn|^\s*$" | tail -n 10 || true
 } | tee "$OUT/summary.txt"
+exit "$FAILED"

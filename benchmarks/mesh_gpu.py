@@ -1,6 +1,7 @@
-"""The mesh's data plane on a GPU: attention servers in their own processes computing on CUDA, a compute
-engine on CUDA reaching them through ``DistAttention`` over gRPC on loopback, beside the in-process engine
-and HF transformers.
+"""The mesh's data plane on a GPU, beside the in-process engine and HF transformers.
+
+Attention servers run in their own processes computing on CUDA, and a compute engine on CUDA reaches them
+through ``DistAttention`` over gRPC on loopback.
 
 The model is ``engine_gpu.py``'s random-weight Llama-3.2-1B shape (no download). Three attention servers
 run ``infinite_llm.services.attention.server.main`` (one process each, this run's ``--device``: the kernels
@@ -228,6 +229,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="2-layer model, a few tokens: a smoke test")
     args = parser.parse_args()
+    if args.device == "cpu" and not args.tiny:  # the 1B-shaped workload would take hours on a CPU
+        parser.error("--device cpu runs only the --tiny smoke workload")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("mesh_gpu.py needs a CUDA GPU (or --device cpu --tiny); none found, nothing to measure.")
         return 0
