@@ -19,6 +19,8 @@ from infinite_llm.cli_options import (
     Model,
     PrefixCaching,
     Transport,
+    device_option,
+    dtype_name,
     err,
     kv_memory_option,
     stdout_console,
@@ -46,6 +48,16 @@ def up(
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     gateway_port: Annotated[int, typer.Option(help="OpenAI-compatible REST gateway port (0 = any free one).")] = 8000,
     transport: Transport = "grpc",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="float32 or bfloat16: the compute instances' weights and activations and the attention servers' "
+            "KV (one dtype for the whole mesh)."
+        ),
+    ] = "float32",
+    device: Annotated[
+        str, typer.Option(help="cpu, cuda or cuda:N: where the compute instances and attention servers compute.")
+    ] = "cpu",
     tls_dir: Annotated[
         str | None,
         typer.Option(
@@ -71,6 +83,8 @@ def up(
         block_size=block_size,
         gateway_port=gateway_port,
         transport=transport_option(transport),
+        dtype=dtype_name(dtype),
+        device=device_option(device),
         tls_dir=tls_dir,
         insecure=insecure,
         prefix_caching=prefix_caching,

@@ -69,6 +69,10 @@ class MeshConfig:
     compute_instances: int = 1
     kv_memory_bytes: int = 64 << 20
     router_port: int = 50051  # 0 = any free one
+    # The compute instances' weights and activations and the attention servers' KV (float32, bfloat16) and
+    # where both compute (cpu, cuda, cuda:N); None: their own default (or INFINITE_LLM_SERVE_* variables).
+    dtype: str | None = None
+    device: str | None = None
     manager_port: int = 0
     standby_managers: int = 0  # hot standbys (serve manager --standby) beside the leader, each on a free port
     model: str | None = None
@@ -320,6 +324,9 @@ class LocalMesh:
     def _spawn(self, role: str, name: str, port: int, args: list[str], shutdown_grace_s: float | None = None) -> Proc:
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "infinite_llm.cli", "serve", role, "--host", HOST, "--port", str(port), *args]
+        if role in ("attention", "compute"):
+            for flag, value in (("--dtype", self.config.dtype), ("--device", self.config.device)):
+                cmd += [flag, value] if value is not None else []
         cmd += ["--insecure"] if self.tls_dir is None else ["--tls-dir", str(self.tls_dir)]
         if role == "compute":
             cmd += ["--instance-id", name]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 CLI = [sys.executable, "-m", "infinite_llm.cli"]
 
@@ -112,6 +113,23 @@ def test_up_with_a_busy_port_exits_2_naming_it_before_starting_anything(flag, tm
     assert f"Invalid value for {flag}: port {ports[flag]} is in use on 127.0.0.1" in flat, proc.stderr
     assert f"choose another port with {flag}" in flat
     assert time.monotonic() - start < 30 and "starting the mesh" not in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--dtype", "float16"], "Invalid value for --dtype: unknown dtype 'float16'; use float32 or bfloat16"),
+        (["--device", "cuda"], "Invalid value for --device: --device cuda: this machine has no CUDA device"),
+    ],
+)
+def test_up_with_a_dtype_or_device_it_cannot_use_exits_2_before_starting_anything(args, says, tmp_path):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "COLUMNS": "250"}
+    proc = subprocess.run([*CLI, "up", "--insecure", *args], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert says in " ".join(proc.stderr.replace("│", " ").split())
     assert [p.name for p in tmp_path.iterdir()] == []
 
 

@@ -211,3 +211,32 @@ def test_a_port_the_caller_chose_the_manager_and_other_exits_are_not_moved(mesh)
         pid = proc.popen.pid
         assert not mesh._rebind(proc)
         assert proc.popen.pid == pid
+
+
+def test_the_meshs_dtype_and_device_reach_its_attention_servers_and_compute_instances(monkeypatch):
+    """`up --dtype/--device` (MeshConfig.dtype/device): both flags on every attention server's and compute
+    instance's command line, none on the others'; unset, none anywhere (each service's own default)."""
+    import infinite_llm.mesh as mesh_module
+
+    started: list[list[str]] = []
+
+    def fake_popen(cmd, log_path, role, nice=0, append=False):  # noqa: ANN001, ANN202
+        started.append(list(cmd))
+        return subprocess.Popen(["true"])
+
+    monkeypatch.setattr(mesh_module, "_popen", fake_popen)
+    for dtype, device in (("bfloat16", "cuda:1"), (None, None)):
+        started.clear()
+        m = LocalMesh(MeshConfig(insecure=True, dtype=dtype, device=device))
+        m.procs.append(Proc("manager", "manager-0", "127.0.0.1:1", subprocess.Popen(["true"]), m.log_dir / "m.log"))
+        m.spawn_attention("attn-0")
+        m.spawn_compute("compute-0")
+        m.spawn_router("router")
+        shutil.rmtree(m.log_dir, ignore_errors=True)
+        want = ["--dtype", dtype, "--device", device] if dtype else []
+        for cmd in started[:2]:
+            flags = [
+                a for i, a in enumerate(cmd) if a in ("--dtype", "--device") or cmd[i - 1] in ("--dtype", "--device")
+            ]
+            assert flags == want, cmd
+        assert "--dtype" not in started[2] and "--device" not in started[2]
