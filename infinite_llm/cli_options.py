@@ -93,7 +93,7 @@ def device_option(text: str) -> str:
     if device is None or device.type not in ("cpu", "cuda"):
         raise typer.BadParameter(f"unknown device {text!r}; use cpu, cuda or cuda:N", param_hint="--device")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise typer.BadParameter(f"--device {text}: this machine has no CUDA device", param_hint="--device")
+        raise typer.BadParameter(f"{text!r}: this machine has no CUDA device", param_hint="--device")
     return text
 
 

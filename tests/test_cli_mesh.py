@@ -120,7 +120,7 @@ def test_up_with_a_busy_port_exits_2_naming_it_before_starting_anything(flag, tm
     ("args", "says"),
     [
         (["--dtype", "float16"], "Invalid value for --dtype: unknown dtype 'float16'; use float32 or bfloat16"),
-        (["--device", "cuda"], "Invalid value for --device: --device cuda: this machine has no CUDA device"),
+        (["--device", "cuda"], "Invalid value for --device: 'cuda': this machine has no CUDA device"),
     ],
 )
 def test_up_with_a_dtype_or_device_it_cannot_use_exits_2_before_starting_anything(args, says, tmp_path):
