@@ -379,7 +379,11 @@ class LocalMesh:
                 args = list(gateway.popen.args)
                 if args[args.index("--router") + 1] == old_address:
                     gateway.popen.terminate()
-                    gateway.popen.wait(10)
+                    try:
+                        gateway.popen.wait(10)
+                    except subprocess.TimeoutExpired:
+                        gateway.popen.kill()
+                        gateway.popen.wait()
                     self._restart_on(gateway, None, router=proc.address)
         return True
 

@@ -126,13 +126,16 @@ class ManagerPlacement:
 
     def _check_layout(self, server_id: str, address: str, layout: KVLayout) -> None:
         """Raises ``FailedPrecondition`` when the server at ``address`` keeps KV unlike ``layout``."""
+        channel = sync_channel(address)
         try:
-            stub = agrpc.AttentionServerStub(sync_channel(address))
+            stub = agrpc.AttentionServerStub(channel)
             got = stub.GetStats(apb.GetStatsRequest(), timeout=min(self.timeout_s, OPTIONAL_CALL_S)).layout
         except grpc.RpcError as e:
             log.warning("attention server %s at %s did not say its KV layout: %s", server_id, address,
                         describe_rpc_error(e))  # fmt: skip
             return
+        finally:
+            channel.close()
         want = (dtype_name(layout.dtype), layout.num_layers, layout.num_kv_heads, layout.head_dim)
         have = (got.dtype, got.num_layers, got.num_kv_heads, got.head_dim)
         if have != want:
