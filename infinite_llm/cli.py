@@ -95,7 +95,7 @@ def generate(
             "templates --chat, and the router must serve a model of that name."
         ),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = DEFAULT_BLOCK_SIZE,
     kv_blocks: Annotated[int, typer.Option(help="rBlocks of KV memory in all.")] = 2048,
     num_partitions: Annotated[int, typer.Option(help="DistAttention partitions (1 = plain paged attention).")] = 1,

@@ -16,7 +16,15 @@ from rich.console import Console
 err = Console(stderr=True, soft_wrap=True)
 
 API_KEY_ENV = "INFINITE_LLM_API_KEY"  # the router's and the gateway's --api-key; up's services inherit it
-DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",  # GPUs without bf16 (V100, T4)
+    "fp16": "float16",
+    "half": "float16",
+}
 
 Host = Annotated[str, typer.Option(help="Interface to listen on.")]
 # A manager client's target: one manager, or all of them (hot standbys: the calls go to the one that leads)
@@ -108,9 +116,10 @@ def kv_memory_option(text: str) -> int:
 
 
 def dtype_name(text: str) -> str:
-    """The canonical name (``float32`` / ``bfloat16``) of a ``--dtype`` value; BadParameter otherwise."""
+    """The canonical name (``float32`` / ``bfloat16`` / ``float16``) of a ``--dtype`` value; BadParameter
+    otherwise."""
     if text not in DTYPE_NAMES:
-        raise typer.BadParameter(f"unknown dtype {text!r}; use float32 or bfloat16", param_hint="--dtype")
+        raise typer.BadParameter(f"unknown dtype {text!r}; use float32, bfloat16 or float16", param_hint="--dtype")
     return DTYPE_NAMES[text]
 
 

@@ -57,7 +57,7 @@ def serve_attention(
     advertise_host: Annotated[str, typer.Option(help="Host others reach this server at (default --host).")] = "",
     model: Model = None,
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
-    dtype: Annotated[str, typer.Option(help="KV dtype: float32 or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="KV dtype: float32, bfloat16 or float16.")] = "float32",
     device: Device = "cpu",
     metrics_port: MetricsPort = 0,
     transport: Transport = "grpc",
@@ -238,7 +238,7 @@ def serve_compute(
         "compute-0"
     ),
     model: Model = None,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one step.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill).")] = 512,

@@ -51,8 +51,8 @@ def up(
     dtype: Annotated[
         str,
         typer.Option(
-            help="float32 or bfloat16: the compute instances' weights and activations and the attention servers' "
-            "KV (one dtype for the whole mesh)."
+            help="float32, bfloat16 or float16: the compute instances' weights and activations and the attention "
+            "servers' KV (one dtype for the whole mesh)."
         ),
     ] = "float32",
     device: Annotated[

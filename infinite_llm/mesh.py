@@ -69,7 +69,7 @@ class MeshConfig:
     compute_instances: int = 1
     kv_memory_bytes: int = 64 << 20
     router_port: int = 50051  # 0 = any free one
-    # The compute instances' weights and activations and the attention servers' KV (float32, bfloat16) and
+    # The compute instances' weights and activations and the attention servers' KV (float32, bfloat16, float16) and
     # where both compute (cpu, cuda, cuda:N); None: their own default (or INFINITE_LLM_SERVE_* variables).
     dtype: str | None = None
     device: str | None = None

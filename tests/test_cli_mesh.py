@@ -119,7 +119,7 @@ def test_up_with_a_busy_port_exits_2_naming_it_before_starting_anything(flag, tm
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--dtype", "float16"], "Invalid value for --dtype: unknown dtype 'float16'; use float32 or bfloat16"),
+        (["--dtype", "float64"], "unknown dtype 'float64'; use float32, bfloat16 or float16"),
         (["--device", "cuda"], "Invalid value for --device: 'cuda': this machine has no CUDA device"),
     ],
 )
