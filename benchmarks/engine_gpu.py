@@ -319,17 +319,32 @@ def host_profile(fn, iters: int, top: int = 18) -> str:  # noqa: ANN001
     return "\n".join([head] + ["    " + line for line in lines[-top - 1 :]])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def device_parser(doc: str) -> argparse.ArgumentParser:
+    """The GPU benchmarks' parser: ``--device cuda|cpu`` and ``--tiny`` (the CPU smoke workload)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--quick", action="store_true", help="batches 1 and 16, 64 new tokens, 16K prompt")
     parser.add_argument("--tiny", action="store_true", help="2-layer model, a few tokens: a smoke test")
-    parser.add_argument("--skip-equality", action="store_true", help="skip the fp32 equality check")
+    return parser
+
+
+def parse_device_args(parser: argparse.ArgumentParser, script: str) -> argparse.Namespace | None:
+    """Parsed arguments; ``--device cpu`` without ``--tiny`` exits 2 (the 1B-shaped workload would run for
+    hours on a CPU); ``None`` after one line when CUDA is asked for and this machine has none."""
     args = parser.parse_args()
-    if args.device == "cpu" and not args.tiny:  # the 1B-shaped workload would take hours on a CPU
+    if args.device == "cpu" and not args.tiny:
         parser.error("--device cpu runs only the --tiny smoke workload")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("engine_gpu.py needs a CUDA GPU (or --device cpu --tiny); none found, nothing to measure.")
+        print(f"{script} needs a CUDA GPU (or --device cpu --tiny); none found, nothing to measure.")
+        return None
+    return args
+
+
+def main() -> int:
+    parser = device_parser(__doc__)
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 16, 64 new tokens, 16K prompt")
+    parser.add_argument("--skip-equality", action="store_true", help="skip the fp32 equality check")
+    args = parse_device_args(parser, "engine_gpu.py")
+    if args is None:
         return 0
     work = SMOKE if args.tiny else QUICK if args.quick else FULL
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 equality needs full-precision matmuls

@@ -25,7 +25,6 @@ Needs torch, triton, transformers, grpcio and the serving packages of ``pyprojec
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -46,6 +45,8 @@ from engine_gpu import (
     Workload,
     build_engine,
     build_hf,
+    device_parser,
+    parse_device_args,
     random_prompts,
     run_engine,
     run_hf,
@@ -225,14 +226,8 @@ def compare_decode(hf, work: Workload, device: str, blocks: int) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--tiny", action="store_true", help="2-layer model, a few tokens: a smoke test")
-    args = parser.parse_args()
-    if args.device == "cpu" and not args.tiny:  # the 1B-shaped workload would take hours on a CPU
-        parser.error("--device cpu runs only the --tiny smoke workload")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("mesh_gpu.py needs a CUDA GPU (or --device cpu --tiny); none found, nothing to measure.")
+    args = parse_device_args(device_parser(__doc__), "mesh_gpu.py")
+    if args is None:
         return 0
     work = SMOKE if args.tiny else replace(FULL, batches=(1, 16), new_tokens=64)
     blocks = -(-work.kv_blocks // NUM_SERVERS) + 8
