@@ -55,21 +55,32 @@ def check_layer(
             raise InvalidRequest(f"{name} holds NaN or infinite values")
 
 
-# Dtypes numpy reads as they are (it has no bfloat16).
-_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
+# Dtypes checked through numpy on the CPU: those it reads as they are, and bfloat16 through its bits.
+_NUMPY_READABLE = (torch.float32, torch.float16, torch.float64, torch.bfloat16)
+_BF16_EXPONENT = np.int16(0x7F80)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> list[bool]:
     """Whether each tensor holds only finite values.
 
-    CPU tensors of a dtype numpy knows are read through numpy (no copy): a decode layer's query and K/V at
+    CPU tensors are read through numpy (no copy; bfloat16 by its bits): a decode layer's query and K/V at
     batch 16 take ~15 us there against ~55-80 us for torch's ``isfinite().all()`` of the three, whose
-    per-op overhead dominates at these sizes (``benchmarks/attention_server_layer.py``). Anything else
-    (CUDA, bfloat16) is reduced on its device and read back once: one host sync, not one per tensor.
+    per-op overhead dominates at these sizes (``benchmarks/attention_server_layer.py``). CUDA tensors
+    (the torch transport) are reduced on their device and read back once: one host sync, not one per
+    tensor.
     """
-    if all(t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS for t in tensors):
-        return [bool(np.isfinite(t.detach().numpy()).all()) for t in tensors]
+    if all(t.device.type == "cpu" and t.dtype in _NUMPY_READABLE for t in tensors):
+        return [_finite_on_cpu(t) for t in tensors]
     return torch.stack([torch.isfinite(t).all() for t in tensors]).tolist()
+
+
+def _finite_on_cpu(t: torch.Tensor) -> bool:
+    """numpy's check of one CPU tensor; bfloat16 (which numpy lacks) by its bits: a value is NaN or
+    infinite exactly when its 8 exponent bits are all ones (``0x7F80`` of the 16)."""
+    if t.dtype == torch.bfloat16:
+        bits = t.detach().view(torch.int16).numpy()
+        return bool((np.bitwise_and(bits, _BF16_EXPONENT) != _BF16_EXPONENT).all())
+    return bool(np.isfinite(t.detach().numpy()).all())
 
 
 def check_payload_values(payload: torch.Tensor) -> None:

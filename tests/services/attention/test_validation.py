@@ -1,5 +1,5 @@
-"""The layer checks of an attention server without a server: finiteness in every KV dtype, on the numpy path
-(float32, float16) and the torch path (bfloat16), naming the first bad tensor."""
+"""The layer checks of an attention server without a server: finiteness in every KV dtype on the CPU (numpy;
+bfloat16 by its bits), naming the first bad tensor."""
 
 import math
 
@@ -25,6 +25,13 @@ def test_all_finite_finds_each_non_finite_value_in_each_tensor(dtype, bad):
         assert all_finite(spoiled) == [j != i for j in range(3)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_extremes_of_each_dtype_are_finite(dtype):
+    info = torch.finfo(dtype)
+    extremes = torch.tensor([info.max, -info.max, info.tiny, info.smallest_normal / 4, 0.0, -0.0], dtype=dtype)
+    assert all_finite([extremes]) == [True]
+
+
 def test_all_finite_reads_read_only_views_of_received_bytes():
     """The codec hands the server ``frombuffer`` views of the message's bytes (read-only)."""
     good = torch.frombuffer(bytearray(torch.ones(6).numpy().tobytes()), dtype=torch.float32)
@@ -32,6 +39,8 @@ def test_all_finite_reads_read_only_views_of_received_bytes():
     data[2] = math.nan
     bad = torch.frombuffer(data.numpy().tobytes(), dtype=torch.float32)  # bytes: read-only
     assert all_finite([good, bad]) == [True, False]
+    bf16 = torch.frombuffer(data.bfloat16().view(torch.int16).numpy().tobytes(), dtype=torch.bfloat16)
+    assert all_finite([bf16, torch.ones(3, dtype=torch.bfloat16)]) == [False, True]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
