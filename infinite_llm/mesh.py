@@ -192,7 +192,7 @@ class LocalMesh:
             ]
             standby = ["--standby"] if c.standby_managers else []
             for i in range(1 + c.standby_managers):  # manager-0 first: it leads (a standby leads when none does)
-                port = (c.manager_port or free_port()) if i == 0 else free_port()
+                port = c.manager_port if i == 0 else 0
                 self._spawn("manager", f"manager-{i}", port, [*manager_args, "--manager-id", f"manager-{i}", *standby])
                 self._wait_healthy(self._by_role("manager")[-1:], check=self.leads if i == 0 and standby else None)
             for i in range(c.attention_servers):
@@ -204,10 +204,8 @@ class LocalMesh:
             self._wait_healthy(self.compute_instances())
             self.wait_compute_registered(c.compute_instances)
             router = self.spawn_router("router", c.router_port)
-            gateway = self._spawn(
-                "gateway", "gateway", c.gateway_port or free_port(), ["--router", router.address, *self._model_args()]
-            )
-            gateway.fixed_port = bool(c.gateway_port)
+            gateway_args = ["--router", router.address, *self._model_args()]
+            gateway = self._spawn("gateway", "gateway", c.gateway_port, gateway_args)
             self._wait_healthy([p for p in self.procs if p is not gateway])
             self._wait_healthy([gateway], check=http_health_check)
             self.wait_registered(c.attention_servers)
@@ -221,9 +219,7 @@ class LocalMesh:
         """Start a router (``port`` 0: a free one) that follows the manager's compute instances; the first is the
         mesh's (:attr:`router_address`), tests start more (``shutdown_grace_s``: its own ``--shutdown-grace``)."""
         args = ["--manager", self.manager_address, "--discovery-interval", str(self.config.discovery_interval_s)]
-        proc = self._spawn("router", name, port or free_port(), [*args, *self._model_args()], shutdown_grace_s)
-        proc.fixed_port = bool(port)
-        return proc
+        return self._spawn("router", name, port, [*args, *self._model_args()], shutdown_grace_s)
 
     def spawn_attention(self, name: str, kv_memory_bytes: int | None = None) -> Proc:
         """Start one more attention server (also used by tests that add or kill servers) with
@@ -232,7 +228,7 @@ class LocalMesh:
         return self._spawn(
             "attention",
             name,
-            free_port(),
+            0,
             [
                 "--server-id",
                 name,
@@ -254,10 +250,10 @@ class LocalMesh:
         restart instances)."""
         c = self.config
         home_args = ["--home", ",".join(homes)] if homes else []
-        proc = self._spawn(
+        return self._spawn(
             "compute",
             name,
-            port or free_port(),
+            port,
             [
                 "--manager",
                 self.manager_address,
@@ -276,8 +272,6 @@ class LocalMesh:
                 *self._model_args(),
             ],
         )
-        proc.fixed_port = bool(port)
-        return proc
 
     def respawn(self, proc: Proc) -> Proc:
         """Run ``proc``'s command again (same name, port and flags; its log goes on) once it exited, as a
@@ -322,6 +316,9 @@ class LocalMesh:
         return ["--model", self.config.model] if self.config.model else []
 
     def _spawn(self, role: str, name: str, port: int, args: list[str], shutdown_grace_s: float | None = None) -> Proc:
+        """Start one service. ``port`` 0: a free one, moved by :meth:`_rebind` if it is taken before the
+        service binds; another: the caller's, never moved."""
+        fixed_port, port = port != 0, port or free_port()
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "infinite_llm.cli", "serve", role, "--host", HOST, "--port", str(port), *args]
         if role in ("attention", "compute"):
@@ -338,7 +335,7 @@ class LocalMesh:
             cmd += ["--metrics-port", str(metrics_port)]
             metrics_address = f"{HOST}:{metrics_port}"
         popen = _popen(cmd, log_path, role, self.config.service_nice)
-        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address)
+        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address, fixed_port)
         self.procs.append(proc)
         return proc
 
