@@ -18,15 +18,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
-if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 # a step killed at its limit still leaves its output in the log
-export INFINITE_LLM_TESTS_NO_DOWNLOAD=1
-unset TRITON_INTERPRET INFINITE_LLM_TRITON
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "gpu_checks.sh: $PY sees no CUDA GPU (or has no torch): nothing to check"
-    exit 0
-fi
+. benchmarks/gpu_env.sh gpu_checks.sh # PY, the steps' environment, SERVING_PYTHONPATH; exits without CUDA
 
 SUMMARY=()
 FAILED=0
@@ -63,12 +55,10 @@ else
 fi
 run_step kernels_gpu 120 "$PY" benchmarks/kernels_gpu.py
 run_step engine_gpu 210 "$PY" benchmarks/engine_gpu.py
-if ls .whl/*.whl >/dev/null 2>&1; then # the serving packages the H200 machine lacks (README "On GPUs")
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        >"$OUT/wheels.log" 2>&1
-    run_step mesh_gpu 180 env PYTHONPATH="/tmp/site:$PYTHONPATH" "$PY" benchmarks/mesh_gpu.py
+if [ -n "$SERVING_PYTHONPATH" ]; then
+    run_step mesh_gpu 180 env PYTHONPATH="$SERVING_PYTHONPATH" "$PY" benchmarks/mesh_gpu.py
 else
-    SUMMARY+=("mesh_gpu: no .whl/ with the serving packages, skipped")
+    SUMMARY+=("mesh_gpu: $PY lacks the serving packages and no usable wheels are in .whl/, skipped")
 fi
 
 {

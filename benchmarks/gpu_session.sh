@@ -3,22 +3,12 @@
 # kernels_gpu.py with its tile/split sweep, engine_gpu.py (with a host profile of a graph-replayed step),
 # and mesh_gpu.py (attention servers on the GPU behind gRPC). Logs under $OUT (default ./gpu_out).
 #
-# Python: $PYTHON, else the project's .venv/bin/python when there is one, else python3. Without a CUDA GPU
-# it says so in one line and exits 0. It exits 1 when a step failed.
-#
-# The H200 machine lacks some serving packages (opentelemetry, grpcio-health-checking, -reflection, and has
-# grpcio 1.84 where the generated code wants 1.85.1): mesh_gpu.py installs their wheels from .whl/ when they
-# travel there (README "On GPUs" says how to fetch them). The full set of checks is benchmarks/gpu_checks.sh.
+# Python, and the serving wheels mesh_gpu.py may need: benchmarks/gpu_env.sh. Without a CUDA GPU it says so
+# in one line and exits 0; it exits 1 when a step failed. The full set of checks is benchmarks/gpu_checks.sh.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
-if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 INFINITE_LLM_TESTS_NO_DOWNLOAD=1
-unset TRITON_INTERPRET INFINITE_LLM_TRITON
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "gpu_session.sh: $PY sees no CUDA GPU (or has no torch): nothing to check"
-    exit 0
-fi
+. benchmarks/gpu_env.sh gpu_session.sh # PY, the steps' environment, SERVING_PYTHONPATH; exits without CUDA
 {
     date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; nproc
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>&1
@@ -41,14 +31,8 @@ step kernels_gpu 80 "$PY" benchmarks/kernels_gpu.py
 cat "$OUT/kernels_gpu.log"
 step engine_gpu 170 "$PY" benchmarks/engine_gpu.py
 grep -v -i -E "warn|^\s*$|USDT" "$OUT/engine_gpu.log" | tail -n 60
-SERVING='import grpc, grpc_health, grpc_reflection, opentelemetry.sdk; assert grpc.__version__ == "1.85.1"'
-SITE=""
-if ! "$PY" -c "$SERVING" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        >"$OUT/wheels.log" 2>&1 && SITE="/tmp/site:"
-fi
-if env PYTHONPATH="$SITE$PWD" "$PY" -c "$SERVING" 2>/dev/null; then
-    step mesh_gpu 150 env PYTHONPATH="$SITE$PWD" "$PY" benchmarks/mesh_gpu.py
+if [ -n "$SERVING_PYTHONPATH" ]; then
+    step mesh_gpu 150 env PYTHONPATH="$SERVING_PYTHONPATH" "$PY" benchmarks/mesh_gpu.py
     grep -v -i -E "warn|^\s*$|USDT" "$OUT/mesh_gpu.log" | tail -n 30
 else
     echo "== mesh_gpu skipped: $PY lacks the serving packages and no usable wheels are in .whl/ (README \"On GPUs\")"
