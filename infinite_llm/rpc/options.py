@@ -28,6 +28,13 @@ MIN_PING_INTERVAL_MS = 10_000
 RECONNECT_BACKOFF_MS = (250, 2_000)  # first, most
 
 DEFAULT_TIMEOUT_S = 30.0  # deadline of a call that names none (DESIGN.md §4: every call has a deadline)
+# A compute instance keeps one AttendStream per attention server for many steps (StepEnd between them), so
+# that a step opens no call (the blocking gRPC API starts two threads per call). Each stream's deadline is
+# this long (seconds); a stream is not given a step that could outlive it, and each step keeps its own
+# deadline on the client. The server advertises StepEnd support in the stream's initial metadata.
+STREAM_LIFETIME_S = 600.0
+STEPS_PER_STREAM_KEY = "infinite-llm-steps-per-stream"
+STEPS_PER_STREAM_MANY = "many"
 DEFAULT_GRACE_S = 5.0  # server.stop(grace): in-flight calls get this long to finish
 # After SIGTERM a service process refuses new calls (health NOT_SERVING) and gives those in flight this long
 # to finish (seconds): the pods' terminationGracePeriodSeconds. ``serve ... --shutdown-grace``.

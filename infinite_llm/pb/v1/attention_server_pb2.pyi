@@ -111,13 +111,21 @@ class LayerInput(_message.Message):
     value: _tensor_pb2.Tensor
     def __init__(self, layer: _Optional[int] = ..., query: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., key: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
+class StepEnd(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    def __init__(self, step_id: _Optional[int] = ...) -> None: ...
+
 class AttendStreamRequest(_message.Message):
-    __slots__ = ("open", "layer")
+    __slots__ = ("open", "layer", "end")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     open: StepOpen
     layer: LayerInput
-    def __init__(self, open: _Optional[_Union[StepOpen, _Mapping]] = ..., layer: _Optional[_Union[LayerInput, _Mapping]] = ...) -> None: ...
+    end: StepEnd
+    def __init__(self, open: _Optional[_Union[StepOpen, _Mapping]] = ..., layer: _Optional[_Union[LayerInput, _Mapping]] = ..., end: _Optional[_Union[StepEnd, _Mapping]] = ...) -> None: ...
 
 class LayerPartial(_message.Message):
     __slots__ = ("layer", "partial_out", "lse")

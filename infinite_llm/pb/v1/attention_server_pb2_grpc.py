@@ -134,10 +134,13 @@ class AttentionServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AttendStream(self, request_iterator, context):
-        """One step, batched over its sequences held here: a StepOpen (the server plans the step once), then
+        """Steps, batched over their sequences held here: a StepOpen (the server plans the step once), then
         one LayerInput per layer, each answered by one LayerPartial: store the new K/V in their slots, then
-        partial attention of every query over this server's rBlocks of its sequence. The client half-closes
-        the stream at the end of the step.
+        partial attention of every query over this server's rBlocks of its sequence. A StepEnd ends the step
+        and the same stream carries the next StepOpen: one long-lived stream per compute instance and server.
+        The client half-closes the stream after its last step (a client that sends no StepEnd half-closes
+        after each step, one stream a step). The server advertises StepEnd support in its initial metadata
+        (key "infinite-llm-steps-per-stream", value "many"); it ends an idle stream OK when it stops.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

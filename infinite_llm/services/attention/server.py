@@ -135,7 +135,8 @@ class AttentionServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop (NOT_SERVING, drain for ``grace`` seconds, default ``config.grace_s``); closes the
-        tensor channels."""
+        tensor channels. Compute instances' AttendStreams end at their steps' ends, not at the grace's."""
+        self.servicer.begin_stop()
         await self.rpc.stop(self.config.grace_s if grace is None else grace)
         self.servicer.close()
 

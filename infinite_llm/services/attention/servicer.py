@@ -28,6 +28,7 @@ from infinite_llm.pb.v1 import attention_server_pb2_grpc as pb_grpc
 from infinite_llm.pb.v1 import tensor_pb2
 from infinite_llm.rpc import codec
 from infinite_llm.rpc import tensor_channel as tc
+from infinite_llm.rpc.options import STEPS_PER_STREAM_KEY, STEPS_PER_STREAM_MANY
 from infinite_llm.services.attention.served_rmanager import ServedRManager
 from infinite_llm.services.attention.tensor_channels import TensorChannel, TensorChannels
 from infinite_llm.services.attention.types import ServerStep
@@ -55,6 +56,7 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         self.channels = channels
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rmanager-{server_id}")
         self._lock = threading.Lock()  # the holder is not thread-safe: its executor and channel threads take turns
+        self._stopping = asyncio.Event()  # begin_stop(): AttendStreams end between steps
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._locked, fn, *args)
@@ -151,21 +153,52 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
 
     # ---- attention -----------------------------------------------------------------------------------
     async def AttendStream(self, request_iterator, context) -> AsyncIterator[pb.LayerPartial]:
-        """A step: plan once from its StepOpen, then one LayerPartial per LayerInput until the client
-        half-closes. The plan lives as long as the stream; an error ends the stream with its status."""
+        """Steps, one after another: each is planned once from its StepOpen, then answers one LayerPartial per
+        LayerInput until its StepEnd (the stream then waits for the next StepOpen) or the client's half-close.
+        A step's plan lives until its end; an error ends the stream with its status. Between steps a stopping
+        server ends the stream OK (it would otherwise hold its graceful stop for the whole grace period)."""
+        await context.send_initial_metadata(((STEPS_PER_STREAM_KEY, STEPS_PER_STREAM_MANY),))
         stream = aiter(request_iterator)
-        first = await anext(stream, None)
-        if first is None or first.WhichOneof("part") != "open":
+        msg = await anext(stream, None)
+        if msg is None or msg.WhichOneof("part") != "open":
             raise InvalidRequest("an AttendStream must start with a StepOpen")
-        if first.open.tensor_channel:
-            await self._channel_step(first.open)  # the layers travel on the channel: nothing to yield
-            return
-        seqs = [_seq_step(s) for s in first.open.seqs]
-        step, small = await self._run(self._open_step, seqs, first.open.num_heads)
-        async for msg in stream:
-            if msg.WhichOneof("part") != "layer":
-                raise InvalidRequest("an AttendStream carries exactly one StepOpen, first")
-            yield await self._attend(step, small, msg.layer)
+        while msg is not None:
+            if msg.WhichOneof("part") != "open":
+                raise InvalidRequest("an AttendStream step must start with a StepOpen, after the last StepEnd")
+            if msg.open.tensor_channel:
+                await self._channel_step(msg.open)  # the layers travel on the channel: nothing to yield
+                end = await anext(stream, None)
+                if end is not None and not _ends(end, msg.open.step_id):
+                    raise InvalidRequest("a channel step's stream carries only its StepEnd after the StepOpen")
+            else:
+                seqs = [_seq_step(s) for s in msg.open.seqs]
+                step, small = await self._run(self._open_step, seqs, msg.open.num_heads)
+                async for layer in stream:
+                    if _ends(layer, msg.open.step_id):
+                        break
+                    if layer.WhichOneof("part") != "layer":
+                        raise InvalidRequest("an AttendStream step carries exactly one StepOpen, first")
+                    yield await self._attend(step, small, layer.layer)
+                else:
+                    return  # the client half-closed: its last step ended
+            msg = await self._next_step(stream)
+
+    async def _next_step(self, stream: AsyncIterator[pb.AttendStreamRequest]) -> pb.AttendStreamRequest | None:
+        """The message after a StepEnd; ``None`` at the client's half-close or when this server stops first."""
+        if self._stopping.is_set():
+            return None
+        following = asyncio.ensure_future(anext(stream, None))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait((following, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if following.done():
+            return following.result()
+        following.cancel()
+        return None
+
+    def begin_stop(self) -> None:
+        """The server is stopping: every AttendStream ends at its current step's end (or now, when idle)."""
+        self._stopping.set()
 
     def _open_step(self, seqs: list[SeqStep], num_heads: int) -> tuple[ServerStep, bool]:
         """The step's plan, and whether its layers are small enough to run on the event loop: at most
@@ -348,6 +381,15 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
                 self.holder.cancel(reservation.reservation_id)
             except NotFound:
                 pass  # already gone with its sequence (FreeSequence)
+
+
+def _ends(msg: pb.AttendStreamRequest, step_id: int) -> bool:
+    """Whether ``msg`` is the StepEnd of step ``step_id``; raises for another step's."""
+    if msg.WhichOneof("part") != "end":
+        return False
+    if msg.end.step_id != step_id:
+        raise InvalidRequest(f"a StepEnd of step {msg.end.step_id} in step {step_id}", param="end.step_id")
+    return True
 
 
 def _seq_step(msg: pb.StepSeq) -> SeqStep:

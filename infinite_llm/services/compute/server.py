@@ -174,6 +174,9 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     loop.stop()
     if migrations is not None:
         migrations.close()
+    close_transport = getattr(kv.transport, "close", None)
+    if close_transport is not None:  # the attention servers' streams end OK, not cancelled with this process
+        close_transport()
 
 
 def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfig) -> MigrationExecutor:

@@ -48,12 +48,15 @@ class StallWatch:
             self._recent.setdefault(server, deque(maxlen=WINDOW)).append(seconds)
 
     @contextlib.contextmanager
-    def owed(self, server: str, since: float, cancel: Callable[[], None]) -> Iterator[Callable[[], bool]]:
+    def owed(
+        self, server: str, since: float, cancel: Callable[[], None], until: float = float("inf")
+    ) -> Iterator[Callable[[], bool]]:
         """While inside, ``cancel()`` is called once the reply is ``limit(server)`` seconds past ``since``
-        (``time.perf_counter()``). Yields a function that tells whether that happened."""
+        (``time.perf_counter()``), or at ``until`` if that comes first (a step's deadline). Yields a function
+        that tells whether that happened."""
         fired = [False]
         token = next(self._ids)
-        deadline = since + self.limit(server)
+        deadline = min(since + self.limit(server), until)
         with self._lock:
             self._owed[token] = (deadline, cancel, fired)
             if self._thread is None:

@@ -147,6 +147,7 @@ class TorchTransport(GrpcTransport):
         posted: dict[HolderId, PostedLayer] = {}
         for server, x in inputs.items():
             streams[server].sent_at = time.perf_counter()
+            streams[server].layers_sent += 1
             channel = channels.get(server)
             if channel is None:
                 streams[server].outbox.put(layer_message(layer, x))
@@ -154,9 +155,10 @@ class TorchTransport(GrpcTransport):
                 posted[server] = self._post(channel, server, step_id, layer, x)
         out: dict[HolderId, Partial] = {}
         for server in inputs:
-            if server in posted:  # owed within the server's stall limit (as a gRPC reply: ``stall_watch``)
-                left = self.stall.limit(server) - (time.perf_counter() - streams[server].sent_at)
-                out[server] = posted[server].finish(streams[server], left)
+            if server in posted:  # owed within the server's stall limit and the step's deadline (``stall_watch``)
+                stream, now = streams[server], time.perf_counter()
+                left = min(self.stall.limit(server) - (now - stream.sent_at), stream.step_deadline - now)
+                out[server] = posted[server].finish(stream, left)
             else:
                 out[server] = self._inline_partial(server, streams[server], layer)
             self._observe(server, streams[server].sent_at)
@@ -183,7 +185,8 @@ class TorchTransport(GrpcTransport):
                 self._retire(server, channel)
 
     def close(self) -> None:
-        """Close every channel (best effort, in the background)."""
+        """End the idle streams and close every channel (best effort, in the background)."""
+        super().close()
         for server, channel in list(self._channels.items()):
             self._retire(server, channel)
 

@@ -19,8 +19,9 @@ from infinite_llm.pb.v1 import attention_server_pb2 as pb
 from infinite_llm.rpc import codec
 from infinite_llm.rpc.channels import sync_channel
 from infinite_llm.rpc.interceptors import REQUEST_ID_KEY
+from infinite_llm.rpc.options import STEPS_PER_STREAM_KEY, STEPS_PER_STREAM_MANY
 from infinite_llm.services.attention import AttentionServerConfig, serve
-from infinite_llm.services.compute.grpc_transport import layer_message, step_open
+from infinite_llm.services.compute.grpc_transport import layer_message, step_end, step_open
 from tests.services.attention.helpers import TIMEOUT, Steps
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)  # 1536 B per rBlock
@@ -184,6 +185,12 @@ BAD_STEPS = {  # case: (mutation of a valid decode step's messages, status code,
     "missing_key": (lambda msgs: msgs[1].layer.ClearField("key"), INVALID, "unknown dtype"),
     "no_opening": (lambda msgs: msgs.pop(0), INVALID, "must start with a StepOpen"),
     "two_openings": (lambda msgs: msgs.insert(1, msgs[0]), INVALID, "exactly one StepOpen"),
+    "end_of_another_step": (lambda msgs: msgs.append(step_end(8)), INVALID, "a StepEnd of step 8 in step 7"),
+    "layer_after_the_end": (
+        lambda msgs: msgs.extend([step_end(7), msgs[1]]),
+        INVALID,
+        "must start with a StepOpen, after the last StepEnd",
+    ),
 }
 
 
@@ -203,6 +210,34 @@ def test_bad_steps_get_exact_codes_change_nothing_and_the_next_step_is_right(pre
     want, want_lse = pair.mirror.attend(0, plan, *qkv)
     assert torch.equal(codec.decode_tensor(good.partial_out), want)
     assert torch.equal(codec.decode_tensor(good.lse), want_lse)
+
+
+def test_one_stream_carries_steps_one_after_another(prefilled):
+    """StepOpen, layers, StepEnd, then the next step on the same stream: each step's partial equals its
+    local plan's; the server says so in its initial metadata, and ends the stream OK at the half-close."""
+    pair, _, qkv = prefilled
+    g = torch.Generator().manual_seed(2)
+    qkv2 = (torch.randn(1, NUM_HEADS, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8))
+    outbox = queue.SimpleQueue()
+    call = pair.stub.AttendStream(iter(outbox.get, None), timeout=TIMEOUT)
+    assert (STEPS_PER_STREAM_KEY, STEPS_PER_STREAM_MANY) in tuple(call.initial_metadata())
+    got = []
+    for step_id, (position, x) in enumerate([(5, qkv), (6, qkv2)], start=7):
+        outbox.put(step_open(step_id, [SeqStep("a", position, 1)], NUM_HEADS))
+        for layer in range(LAYOUT.num_layers):
+            outbox.put(layer_message(layer, LayerInput(*x)))
+            reply = next(call)
+            assert reply.layer == layer
+            got.append((codec.decode_tensor(reply.partial_out), codec.decode_tensor(reply.lse)))
+        outbox.put(step_end(step_id))
+    outbox.put(None)
+    assert list(call) == [] and call.code() == grpc.StatusCode.OK
+    for i, (position, x) in enumerate([(5, qkv), (6, qkv2)]):
+        plan = pair.mirror.plan_step([SeqStep("a", position, 1)])
+        for layer in range(LAYOUT.num_layers):
+            want, want_lse = pair.mirror.attend(layer, plan, *x)
+            out, lse = got[i * LAYOUT.num_layers + layer]
+            assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
 def test_a_plan_freed_mid_step_is_refused_not_written(prefilled):

@@ -60,6 +60,7 @@ def test_torch_transport_gives_the_grpc_partials_bit_for_bit_over_two_servers(ma
     transport = steps.transport.remote
     assert transport.fallbacks == {} and set(transport._channels) == {"A", "B"}
     assert [len(s.channels) for s in steps.servicers] == [1, 1]  # one channel per pair, reused by every step
+    assert transport.num_streams_opened == 2  # and one AttendStream per pair: channel steps end with StepEnd
     transport.close()
 
 

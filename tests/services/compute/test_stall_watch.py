@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from infinite_llm.core.dist_attention import HolderId, LayerInput
-from infinite_llm.core.errors import Unavailable
+from infinite_llm.core.errors import DeadlineExceeded, Unavailable
 from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as apb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
@@ -75,6 +75,22 @@ def test_a_server_that_stops_answering_is_unavailable_within_the_stall_limit(sil
     assert 0.5 <= time.monotonic() - start < 3.0  # not the step's 30 s deadline
     transport.close_step(1, failed=True)
     assert servicer.cancelled.wait(5)  # the server saw the call end: it drops the step's plan
+
+
+def test_a_step_past_its_deadline_is_deadline_exceeded(silent_server):
+    """A step's deadline holds although its stream outlives it: the transport enforces it on each reply."""
+    servicer, address = silent_server
+    server = HolderId("attn-0")
+    transport = GrpcTransport(lambda _s: address, timeout_s=0.5)
+    transport.stall = StallWatch(min_s=30.0)  # the stall limit is not what fires
+    transport.open_step(1, {server: [SeqStep("s", 0, 1)]}, num_heads=1)
+    x = LayerInput(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"a step's deadline \(0.5 s\) passed at layer 0 of attn-0"):
+        transport.attend(1, 0, {server: x})
+    assert 0.5 <= time.monotonic() - start < 3.0
+    transport.close_step(1, failed=True)
+    assert servicer.cancelled.wait(5)
 
 
 def test_the_limit_follows_a_servers_slowest_recent_reply():
