@@ -4,8 +4,10 @@ At batch 1 a decode step is hundreds of small kernels; launched one by one from 
 between them (measured on an H200 with the 1B-shaped model: 11 ms of wall time per step, 1.6 ms of it GPU
 work). A CUDA graph records the whole step, embedding to logits, on static buffers and replays it with one
 launch. Each step only refills the buffers: input ids, positions and, per holder (in-process rManager), the
-block tables, slot mapping and context lengths. Source: nano-vllm ``ModelRunner.capture_cudagraph``, vLLM
-``CUDAGraphRunner`` (buckets 1, 2, 4, then multiples of 8).
+block tables, slot mapping and context lengths, packed in one buffer per bucket so that a step is one
+host-to-device copy (on an H200 the 7 copies of a one-holder step took 0.2-0.36 ms of host time a step under
+cProfile, when the GPU waited 0.38 ms a step for the host: ``benchmarks/RESULTS.md``). Source: nano-vllm
+``ModelRunner.capture_cudagraph``, vLLM ``CUDAGraphRunner`` (buckets 1, 2, 4, then multiples of 8).
 
 What a graph bakes in, and how the static path keeps a replay valid:
 
@@ -28,9 +30,11 @@ the step's widest row, so CI exercises the bookkeeping that the graphs replay.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from infinite_llm.core.attention import PartialAttentionMetadata, merge_partials
@@ -46,50 +50,73 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({b for b in (1, 2, 4) if b < max_batch} | set(range(8, max_batch, 8)) | {max_batch})
 
 
-class _Staged:
-    """A static int64 device buffer and its host twin, written through numpy and uploaded once per step.
+class _Field:
+    """One static input of a bucket: a view of the bucket's device buffer and the same view of its host twin."""
 
-    On CUDA the host twin is pinned memory and the upload one asynchronous copy (the step's sampling syncs
-    before the next step writes it again); on CPU the twin is the buffer itself.
-    """
-
-    def __init__(self, shape: tuple[int, ...], fill: int, device: torch.device) -> None:
-        self.tensor = torch.full(shape, fill, dtype=torch.int64, device=device)
-        on_host = device.type == "cpu"
-        host = self.tensor if on_host else torch.full(shape, fill, dtype=torch.int64, device="cpu", pin_memory=True)
-        self._host = None if on_host else host
-        self.np = host.numpy()
-
-    def upload(self, rows: int) -> None:
-        """Copy rows ``[:rows]`` to the device (nothing on CPU)."""
-        if self._host is not None:
-            self.tensor[:rows].copy_(self._host[:rows], non_blocking=True)
+    def __init__(self, tensor: torch.Tensor, host: np.ndarray) -> None:
+        self.tensor = tensor
+        self.np = host
 
 
-@dataclass(frozen=True)
-class _HolderBuffers:
-    """One holder's static step inputs: ``[max_batch, width]`` block tables, ``[max_batch]`` the rest."""
+class _HolderInputs(NamedTuple):
+    """One holder's static step inputs in a bucket: ``[bucket, width]`` block tables, ``[bucket]`` the rest."""
 
     rmanager: RManager
-    block_ids: _Staged
-    block_indices: _Staged
-    num_blocks: _Staged
-    context_lens: _Staged
-    slot_mapping: _Staged
+    block_ids: _Field
+    block_indices: _Field
+    num_blocks: _Field
+    context_lens: _Field
+    slot_mapping: _Field
 
     @property
     def width(self) -> int:
         return self.block_ids.tensor.shape[1]
 
-    def clear(self, batch: int) -> None:
-        """Every row of a bucket of ``batch`` is padding: no block, no context, no slot."""
-        self.num_blocks.np[:batch] = 0
-        self.context_lens.np[:batch] = 0
-        self.slot_mapping.np[:batch] = -1
+    def clear(self) -> None:
+        """Every row is padding: no block, no context, no slot."""
+        self.num_blocks.np[:] = 0
+        self.context_lens.np[:] = 0
+        self.slot_mapping.np[:] = -1
 
-    def upload(self, batch: int) -> None:
-        for staged in (self.block_ids, self.block_indices, self.num_blocks, self.context_lens, self.slot_mapping):
-            staged.upload(batch)
+
+class _BucketInputs:
+    """Every static input of one bucket of ``batch`` rows, packed in one int64 device buffer, so that a step
+    is one host-to-device copy: input ids, positions, then per holder num_blocks, context lengths, slot
+    mapping and the two ``[batch, width]`` block tables. On CUDA the host twin is pinned memory and the upload
+    one asynchronous copy (the step's sampling syncs before the next step writes it again); on CPU the twin is
+    the buffer itself. Each bucket has its own buffer (its graph reads fixed addresses), sized
+    ``batch * (2 + holders * (3 + 2 * width)) * 8`` bytes.
+    """
+
+    def __init__(self, batch: int, holders: Mapping[HolderId, RManager], widths: Mapping[HolderId, int], device):
+        sizes = [batch, batch] + [
+            n for h in holders for n in (batch, batch, batch, batch * widths[h], batch * widths[h])
+        ]
+        self.buffer = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        on_host = device.type == "cpu"
+        self._host = None if on_host else torch.zeros(sum(sizes), dtype=torch.int64, device="cpu", pin_memory=True)
+        host = (self.buffer if on_host else self._host).numpy()
+        offset = 0
+
+        def take(*shape: int) -> _Field:
+            nonlocal offset
+            n = math.prod(shape)
+            field = _Field(self.buffer[offset : offset + n].view(shape), host[offset : offset + n].reshape(shape))
+            offset += n
+            return field
+
+        self.input_ids, self.positions = take(batch), take(batch)
+        self.holders: dict[HolderId, _HolderInputs] = {}
+        for h, rm in holders.items():
+            num_blocks, context_lens, slot_mapping = take(batch), take(batch), take(batch)
+            block_ids, block_indices = take(batch, widths[h]), take(batch, widths[h])
+            self.holders[h] = _HolderInputs(rm, block_ids, block_indices, num_blocks, context_lens, slot_mapping)
+            self.holders[h].clear()
+
+    def upload(self) -> None:
+        """One copy of the whole bucket to the device (nothing on CPU)."""
+        if self._host is not None:
+            self.buffer.copy_(self._host, non_blocking=True)
 
 
 class _StaticAttention:
@@ -147,22 +174,12 @@ class DecodeGraphs:
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need CUDA tensors; the KV is on {self.device}")
         device = self.device
-        self.input_ids = _Staged((max_batch,), 0, device)
-        self.positions = _Staged((max_batch,), 0, device)
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)  # one query each
         max_blocks = -(-max_model_len // dist.block_size)
-        self.holders: dict[HolderId, _HolderBuffers] = {}
-        for h, rm in holders.items():
-            width = min(rm.pool.num_blocks, max_blocks)
-            self.holders[h] = _HolderBuffers(
-                rm,
-                _Staged((max_batch, width), 0, device),
-                _Staged((max_batch, width), 0, device),
-                _Staged((max_batch,), 0, device),
-                _Staged((max_batch,), 0, device),
-                _Staged((max_batch,), -1, device),
-            )
+        widths = {h: min(rm.pool.num_blocks, max_blocks) for h, rm in holders.items()}
+        self.holders = dict(holders)
+        self.inputs = {b: _BucketInputs(b, holders, widths, device) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # each graph's output buffer [bucket, vocab] fp32
         self.num_replays = 0
@@ -200,23 +217,21 @@ class DecodeGraphs:
         return self._logits[batch][:n]
 
     def _fill(self, steps: list[SeqStep], input_ids: list[int], batch: int) -> int:
-        """Write the step into the buffers (rows ``>= len(steps)`` padding); returns the widest block-table row.
-
-        Host work only (lists into numpy), then one upload per buffer: no kernel, no host sync.
+        """Write the step into the bucket's buffer (rows ``>= len(steps)`` padding); returns the widest
+        block-table row. Host work only (lists into numpy), then one upload: no kernel, no host sync.
         """
         n = len(steps)
         plans = self.dist.holder_plans(steps)
-        built = {h: self.holders[h].rmanager.plan_rows(seqs) for h, seqs in plans.items()}  # checks, then writes
+        built = {h: self.holders[h].plan_rows(seqs) for h, seqs in plans.items()}  # checks, then writes
         row_of = {s.seq_id: i for i, s in enumerate(steps)}
-        self.input_ids.np[:n] = input_ids
-        self.positions.np[:n] = [s.num_computed_tokens for s in steps]
-        self.input_ids.np[n:batch] = 0
-        self.positions.np[n:batch] = 0
-        self.input_ids.upload(batch)
-        self.positions.upload(batch)
+        inputs = self.inputs[batch]
+        inputs.input_ids.np[:n] = input_ids
+        inputs.positions.np[:n] = [s.num_computed_tokens for s in steps]
+        inputs.input_ids.np[n:] = 0
+        inputs.positions.np[n:] = 0
         widest = 1
-        for h, buf in self.holders.items():
-            buf.clear(batch)
+        for h, buf in inputs.holders.items():
+            buf.clear()
             plan = built.get(h)
             if plan is not None:
                 for s, ids, idx, slots, ctx in zip(
@@ -230,27 +245,27 @@ class DecodeGraphs:
                     buf.block_indices.np[r, :k] = idx
                     if slots:  # decode: one new token, stored on exactly one holder
                         (buf.slot_mapping.np[r],) = slots
-            buf.upload(batch)
+        inputs.upload()
         return widest
 
     def _forward(self, batch: int, width: int | None) -> torch.Tensor:
-        """The model over the first ``batch`` rows of the buffers; block tables cut to ``width`` columns
-        (``None``: each holder's full width, as captured)."""
+        """The model over the bucket's buffer; block tables cut to ``width`` columns (``None``: each
+        holder's full width, as captured)."""
+        inputs = self.inputs[batch]
         parts = []
-        for buf in self.holders.values():
+        for buf in inputs.holders.values():
             w = buf.width if width is None else min(width, buf.width)
             meta = PartialAttentionMetadata(
                 query_start_loc=self.query_start_loc[: batch + 1],
-                query_positions=self.positions.tensor[:batch],
-                block_ids=buf.block_ids.tensor[:batch, :w],
-                block_indices=buf.block_indices.tensor[:batch, :w],
-                num_blocks=buf.num_blocks.tensor[:batch],
-                context_lens=buf.context_lens.tensor[:batch],
+                query_positions=inputs.positions.tensor,
+                block_ids=buf.block_ids.tensor[:, :w],
+                block_indices=buf.block_indices.tensor[:, :w],
+                num_blocks=buf.num_blocks.tensor,
+                context_lens=buf.context_lens.tensor,
             )
-            parts.append((buf.rmanager, meta, buf.slot_mapping.tensor[:batch]))
+            parts.append((buf.rmanager, meta, buf.slot_mapping.tensor))
         attention = _StaticAttention(parts, self.merge)
-        ids, positions = self.input_ids.tensor[:batch], self.positions.tensor[:batch]
-        return self.model(ids, positions, attention, self.logits_indices[:batch])
+        return self.model(inputs.input_ids.tensor, inputs.positions.tensor, attention, self.logits_indices[:batch])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -261,12 +276,7 @@ class DecodeGraphs:
     def _capture_on_device(self) -> None:
         pool = None
         for batch in reversed(self.buckets):
-            for staged in (self.input_ids, self.positions):
-                staged.np[:batch] = 0
-                staged.upload(batch)
-            for buf in self.holders.values():
-                buf.clear(batch)
-                buf.upload(batch)
+            self.inputs[batch].upload()  # every row padding (as built)
             self._forward(batch, None)  # warm-up: compiles the Triton kernels of these shapes, sizes cuBLAS
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

@@ -4,6 +4,8 @@ the same (those tests run on a GPU machine: ``benchmarks/gpu_checks.sh``)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -81,6 +83,26 @@ def test_a_static_decode_step_creates_every_tensor_on_an_explicit_device(make_en
         while engine.has_unfinished():
             engine.step()
     assert guard.violations == [] and engine.runner.decode_graphs.num_eager > 0
+
+
+def test_each_buckets_inputs_are_disjoint_views_of_one_buffer(make_engine):
+    """A step is one host-to-device copy: every static input of a bucket (ids, positions, and per holder the
+    block tables, block counts, context lengths and slot mapping) is a view of the bucket's one buffer, the
+    views tile it exactly, and the host side writes the same memory (on CPU the buffer is its own twin)."""
+    engine = make_engine(num_kv_blocks=48, num_partitions=3, block_size=4, static_decode_without_graphs=True)
+    graphs = engine.runner.decode_graphs
+    for batch, inputs in graphs.inputs.items():
+        fields = [inputs.input_ids, inputs.positions]
+        for buf in inputs.holders.values():
+            fields += [buf.num_blocks, buf.context_lens, buf.slot_mapping, buf.block_ids, buf.block_indices]
+            assert buf.width == 16 and buf.block_ids.tensor.shape == (batch, 16)  # 48 rBlocks over 3 holders
+        base, item = inputs.buffer.data_ptr(), inputs.buffer.element_size()
+        spans = sorted(((f.tensor.data_ptr() - base) // item, f.tensor.numel()) for f in fields)
+        assert all(f.tensor.untyped_storage().data_ptr() == base for f in fields)
+        assert [start for start, _ in spans] == [0, *itertools.accumulate(n for _, n in spans[:-1])]
+        assert sum(n for _, n in spans) == inputs.buffer.numel() == batch * (2 + 3 * (3 + 2 * 16))
+        inputs.holders[next(iter(inputs.holders))].slot_mapping.np[0] = 7  # the host view is the buffer
+        assert 7 in inputs.buffer.tolist()
 
 
 def test_graphs_cannot_be_captured_off_cuda(make_engine):
