@@ -79,22 +79,30 @@ class _HolderInputs(NamedTuple):
         self.slot_mapping.np[:] = -1
 
 
+FIELD_ALIGN = 2  # int64 elements: every field starts 16-byte aligned, as Triton specializes kernels on it
+
+
+def _aligned(n: int) -> int:
+    return -(-n // FIELD_ALIGN) * FIELD_ALIGN
+
+
 class _BucketInputs:
     """Every static input of one bucket of ``batch`` rows, packed in one int64 device buffer, so that a step
     is one host-to-device copy: input ids, positions, then per holder num_blocks, context lengths, slot
     mapping and the two ``[batch, width]`` block tables. On CUDA the host twin is pinned memory and the upload
     one asynchronous copy (the step's sampling syncs before the next step writes it again); on CPU the twin is
-    the buffer itself. Each bucket has its own buffer (its graph reads fixed addresses), sized
-    ``batch * (2 + holders * (3 + 2 * width)) * 8`` bytes.
+    the buffer itself. Each bucket has its own buffer (its graph reads fixed addresses), of about
+    ``batch * (2 + holders * (3 + 2 * width)) * 8`` bytes (each field 16-byte aligned).
     """
 
     def __init__(self, batch: int, holders: Mapping[HolderId, RManager], widths: Mapping[HolderId, int], device):
         sizes = [batch, batch] + [
             n for h in holders for n in (batch, batch, batch, batch * widths[h], batch * widths[h])
         ]
-        self.buffer = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        total = sum(_aligned(n) for n in sizes)
+        self.buffer = torch.zeros(total, dtype=torch.int64, device=device)
         on_host = device.type == "cpu"
-        self._host = None if on_host else torch.zeros(sum(sizes), dtype=torch.int64, device="cpu", pin_memory=True)
+        self._host = None if on_host else torch.zeros(total, dtype=torch.int64, device="cpu", pin_memory=True)
         host = (self.buffer if on_host else self._host).numpy()
         offset = 0
 
@@ -102,7 +110,7 @@ class _BucketInputs:
             nonlocal offset
             n = math.prod(shape)
             field = _Field(self.buffer[offset : offset + n].view(shape), host[offset : offset + n].reshape(shape))
-            offset += n
+            offset += _aligned(n)
             return field
 
         self.input_ids, self.positions = take(batch), take(batch)
