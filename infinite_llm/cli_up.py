@@ -32,6 +32,7 @@ from infinite_llm.core.errors import Unavailable
 
 
 def up(
+    ctx: typer.Context,
     attention_servers: Annotated[int, typer.Option(help="Attention servers to start.")] = 3,
     compute_instances: Annotated[int, typer.Option(help="Compute instances to start.")] = 1,
     kv_memory: Annotated[str, typer.Option(help="KV memory per attention server, e.g. 64MiB.")] = "64MiB",
@@ -88,6 +89,7 @@ def up(
         tls_dir=tls_dir,
         insecure=insecure,
         prefix_caching=prefix_caching,
+        **_config_file(ctx),
     )
     _refuse_busy_ports(config)  # before anything starts (a busy port would fail only at the gateway, ~20 s in)
     _refuse_a_bad_api_key()  # likewise: the router and the gateway would refuse it only once the rest is up
@@ -128,6 +130,17 @@ def up(
         _say_where_logs_are(mesh)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _config_file(ctx: typer.Context) -> dict:
+    """The root ``--config`` file (absolute: the services start elsewhere) and the options of its ``serve:``
+    sections by role, for :class:`~infinite_llm.mesh.MeshConfig`; nothing without a file."""
+    root = ctx.find_root()
+    path = root.params.get("config")
+    if not path:
+        return {}
+    serve = (root.default_map or {}).get("serve", {})
+    return {"config_file": os.path.abspath(path), "file_options": {role: tuple(o) for role, o in serve.items()}}
 
 
 def _refuse_busy_ports(config) -> None:  # noqa: ANN001

@@ -47,7 +47,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
-from infinite_llm.core.errors import Unavailable
+from infinite_llm.core.errors import InvalidRequest, Unavailable
 from infinite_llm.parent_death import dying_with_parent, unwrapped
 from infinite_llm.rpc.options import MANAGER_SERVICE, SHUTDOWN_GRACE_S
 from infinite_llm.rpc.tls import TLS_DIR_ENV, TlsConfig, load_tls_dir
@@ -90,6 +90,11 @@ class MeshConfig:
     shutdown_grace_s: float = SHUTDOWN_GRACE_S  # each service's --shutdown-grace (seconds)
     prefix_caching: bool = True  # compute instances share prompt prefixes' rBlocks (--no-prefix-caching: off)
     service_nice: int = SERVICE_NICE  # CPU niceness of every service but compute instances (0: as this process)
+    # A YAML file of option values (``infinite-llm --config``): every service reads its ``serve: <role>:``
+    # section from it. ``file_options``: the options each section sets, by role; one the mesh also passes on
+    # that service's command line would be silently beaten by the flag, so it is refused (InvalidRequest).
+    config_file: str | None = None
+    file_options: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.attention_servers < 1 or self.compute_instances < 1:
@@ -209,8 +214,8 @@ class LocalMesh:
             self._wait_healthy([p for p in self.procs if p is not gateway])
             self._wait_healthy([gateway], check=http_health_check)
             self.wait_registered(c.attention_servers)
-        except BaseException:
-            self.keep_logs = True  # the logs explain the failure
+        except BaseException as e:
+            self.keep_logs = not isinstance(e, InvalidRequest)  # the logs explain a failure, not a refused option
             self.stop()
             raise
         return self
@@ -320,7 +325,9 @@ class LocalMesh:
         service binds; another: the caller's, never moved."""
         fixed_port, port = port != 0, port or free_port()
         log_path = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "infinite_llm.cli", "serve", role, "--host", HOST, "--port", str(port), *args]
+        config_file = ["--config", self.config.config_file] if self.config.config_file else []
+        cmd = [sys.executable, "-m", "infinite_llm.cli", *config_file, "serve", role]
+        cmd += ["--host", HOST, "--port", str(port), *args]
         if role in ("attention", "compute"):
             for flag, value in (("--dtype", self.config.dtype), ("--device", self.config.device)):
                 cmd += [flag, value] if value is not None else []
@@ -334,10 +341,25 @@ class LocalMesh:
             metrics_port = free_port()
             cmd += ["--metrics-port", str(metrics_port)]
             metrics_address = f"{HOST}:{metrics_port}"
+        self._refuse_beaten_file_options(role, cmd)
         popen = _popen(cmd, log_path, role, self.config.service_nice)
         proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address, fixed_port)
         self.procs.append(proc)
         return proc
+
+    def _refuse_beaten_file_options(self, role: str, cmd: list[str]) -> None:
+        """Raise ``InvalidRequest`` when the config file sets an option of ``serve <role>`` that ``cmd`` passes
+        as a flag (the flag would win without a word): name it and where to set it instead."""
+        names = [a[2:].replace("-", "_") for a in cmd[cmd.index("serve") :] if a.startswith("--")]
+        flags = {n for name in names for n in (name, name.removeprefix("no_"))}  # --no-prefix-caching too
+        beaten = sorted(set(self.config.file_options.get(role, ())) & flags)
+        if beaten:
+            keys = ", ".join(f"serve.{role}.{k}" for k in beaten)
+            raise InvalidRequest(
+                f"config file {self.config.config_file}: `up` sets {keys} itself on every {role} it starts, so "
+                "the file's value would be ignored; remove it, and set it with an `up` option (flag or `up:` "
+                "section) where there is one, e.g. --dtype, --device, --kv-memory, --block-size, --transport"
+            )
 
     def leads(self, address: str) -> bool:
         """Whether the manager at ``address`` reports the GlobalManager service SERVING (it leads)."""

@@ -5,6 +5,7 @@ it. Real processes (``sleep`` stands in for a service: only the process lifecycl
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import shutil
@@ -240,3 +241,60 @@ def test_the_meshs_dtype_and_device_reach_its_attention_servers_and_compute_inst
             ]
             assert flags == want, cmd
         assert "--dtype" not in started[2] and "--device" not in started[2]
+
+
+def test_a_config_file_reaches_every_service_and_an_option_the_mesh_sets_is_refused(monkeypatch, tmp_path):
+    """`infinite-llm --config F up`: every service gets `--config F` (its `serve: <role>:` section applies);
+    a section option the mesh passes as a flag (here `device`, from `up --device`) would be beaten silently,
+    so the service is not started and the error names the key."""
+    import infinite_llm.mesh as mesh_module
+    from infinite_llm.core.errors import InvalidRequest
+
+    started: list[list[str]] = []
+
+    def fake_popen(cmd, log_path, role, nice=0, append=False):  # noqa: ANN001, ANN202
+        started.append(list(cmd))
+        return subprocess.Popen(["true"])
+
+    monkeypatch.setattr(mesh_module, "_popen", fake_popen)
+    path = str(tmp_path / "c.yaml")
+    m = LocalMesh(
+        MeshConfig(insecure=True, device="cpu", config_file=path, file_options={"compute": ("drain_timeout",)})
+    )
+    m.procs.append(Proc("manager", "manager-0", "127.0.0.1:1", subprocess.Popen(["true"]), m.log_dir / "m.log"))
+    m.spawn_compute("compute-0")
+    (cmd,) = started
+    assert cmd[cmd.index("--config") + 1] == path and cmd.index("--config") < cmd.index("serve")
+    m.config = dataclasses.replace(m.config, file_options={"compute": ("device", "drain_timeout", "prefix_caching")})
+    beaten = r"sets serve\.compute\.device, serve\.compute\.prefix_caching itself on every compute it starts"
+    with pytest.raises(InvalidRequest, match=beaten):
+        m.spawn_compute("compute-1")
+    assert len(started) == 1  # nothing started
+    shutil.rmtree(m.log_dir, ignore_errors=True)
+
+
+def test_up_hands_its_config_file_and_the_files_serve_options_to_the_mesh(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import infinite_llm.mesh as mesh_module
+    from infinite_llm.cli import app
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class FakeMesh:
+        def __init__(self, config: MeshConfig) -> None:
+            seen["config"] = config
+            raise Stop
+
+    monkeypatch.setattr(mesh_module, "LocalMesh", FakeMesh)
+    (tmp_path / "c.yaml").write_text("serve:\n  compute:\n    max-waiting: 7\n  attention:\n    kv_memory: 1MiB\n")
+    monkeypatch.chdir(tmp_path)
+    flags = ["--insecure", "--port", "0", "--gateway-port", "0", "--manager-port", "0"]
+    result = CliRunner().invoke(app, ["--config", "c.yaml", "up", *flags])
+    assert isinstance(result.exception, Stop), result.output
+    config = seen["config"]
+    assert config.config_file == str(tmp_path / "c.yaml")  # absolute: the services start in another directory
+    assert config.file_options == {"compute": ("max_waiting",), "attention": ("kv_memory",)}
