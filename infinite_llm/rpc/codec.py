@@ -17,11 +17,15 @@ import math
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.pb.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    from infinite_llm.core.rmanager import KVLayout
 
 assert sys.byteorder == "little", "the Tensor wire format is little-endian"
 
@@ -47,6 +51,30 @@ def dtype_name(dtype: torch.dtype) -> str:
         return _NAMES[dtype]
     except KeyError:
         raise InvalidRequest(f"dtype {dtype} cannot travel as a Tensor; supported: {sorted(DTYPES)}") from None
+
+
+def kv_layout_message(layout: KVLayout) -> tensor_pb2.KVLayout:
+    """The wire form of a KV layout (what an attention server keeps, or a compute instance needs)."""
+    return tensor_pb2.KVLayout(
+        num_layers=layout.num_layers,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=dtype_name(layout.dtype),
+    )
+
+
+def kv_layout_text(dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
+    """A KV layout as the manager compares members and errors name it: ``dtype`` a Tensor dtype name
+    ("float32", "bfloat16", "float16"), the rest counts (``head_dim`` in elements)."""
+    return f"{dtype} for {num_layers} layers x {num_kv_heads} KV heads x {head_dim}"
+
+
+def kv_layout_of(layout: tensor_pb2.KVLayout) -> str:
+    """:func:`kv_layout_text` of a ``KVLayout`` message; '' when it is unset (a member that did not tell)."""
+    if not layout.num_layers:
+        return ""
+    return kv_layout_text(layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim)
 
 
 def dtype_from_name(name: str, *, field: str = "tensor") -> torch.dtype:

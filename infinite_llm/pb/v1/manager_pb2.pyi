@@ -1,3 +1,4 @@
+from infinite_llm.pb.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("server_id", "address", "capacity_blocks", "block_size", "kind", "node_name")
+    __slots__ = ("server_id", "address", "capacity_blocks", "block_size", "kind", "node_name", "layout")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     address: str
     capacity_blocks: int
     block_size: int
     kind: str
     node_name: str
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kind: _Optional[str] = ..., node_name: _Optional[str] = ...) -> None: ...
+    layout: _tensor_pb2.KVLayout
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kind: _Optional[str] = ..., node_name: _Optional[str] = ..., layout: _Optional[_Union[_tensor_pb2.KVLayout, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("lease_ttl_s",)
@@ -217,16 +220,18 @@ class ClusterStateResponse(_message.Message):
     def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., compute_instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ..., manager_id: _Optional[str] = ..., leading_for_s: _Optional[float] = ...) -> None: ...
 
 class RegisterComputeRequest(_message.Message):
-    __slots__ = ("instance_id", "address", "home_server_ids", "node_name")
+    __slots__ = ("instance_id", "address", "home_server_ids", "node_name", "layout")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOME_SERVER_IDS_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     home_server_ids: _containers.RepeatedScalarFieldContainer[str]
     node_name: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., home_server_ids: _Optional[_Iterable[str]] = ..., node_name: _Optional[str] = ...) -> None: ...
+    layout: _tensor_pb2.KVLayout
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., home_server_ids: _Optional[_Iterable[str]] = ..., node_name: _Optional[str] = ..., layout: _Optional[_Union[_tensor_pb2.KVLayout, _Mapping]] = ...) -> None: ...
 
 class RegisterComputeResponse(_message.Message):
     __slots__ = ("lease_ttl_s",)

@@ -15,6 +15,7 @@ import grpc
 
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+from infinite_llm.pb.v1 import tensor_pb2
 from infinite_llm.rpc.channels import aio_channel
 from infinite_llm.rpc.options import serving_only
 from infinite_llm.services.attention.types import HolderStats
@@ -29,7 +30,8 @@ class Registrar:
     ``occupancy()`` (optional): ``(committed, reserved)`` rBlocks per sequence, sent with each heartbeat for
     the manager's orphan reconciliation. ``on_stalled`` (optional): awaited before registering again after
     this process stalled past a heartbeat (its lease likely lapsed); the server drops its rBlocks there
-    (fenced: it rejoins empty).
+    (fenced: it rejoins empty). ``layout``: the KV it keeps, told to the manager at registration (``None``:
+    not told).
     """
 
     def __init__(
@@ -42,9 +44,11 @@ class Registrar:
         node_name: str = "",
         occupancy: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None,
         on_stalled: Callable[[], Awaitable[None]] | None = None,
+        layout: tensor_pb2.KVLayout | None = None,
     ) -> None:
         self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=5.0, extra_options=serving_only()))
         self.server_id, self.address, self.block_size, self.node_name = server_id, address, block_size, node_name
+        self.layout = layout  # the KV kept here (the manager refuses a layout unlike its live members')
         self._stats, self._occupancy = stats, occupancy
         self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat, on_stalled)
         self.registered = self._keeper.registered
@@ -86,6 +90,7 @@ class Registrar:
                 block_size=self.block_size,
                 kind="attention",
                 node_name=self.node_name,
+                layout=self.layout,
             )
         )
         log.info(

@@ -201,6 +201,7 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
             node_name=config.node_name,
             occupancy=server.servicer.holder.occupancy,
             on_stalled=server.servicer.fence,
+            layout=codec.kv_layout_message(server.servicer.holder.layout),
         )
         registrar.start()
     try:

@@ -25,7 +25,6 @@ from infinite_llm.core.errors import FailedPrecondition, InfiniteLLMError, Inval
 from infinite_llm.core.rmanager import SeqStep
 from infinite_llm.pb.v1 import attention_server_pb2 as pb
 from infinite_llm.pb.v1 import attention_server_pb2_grpc as pb_grpc
-from infinite_llm.pb.v1 import tensor_pb2
 from infinite_llm.rpc import codec
 from infinite_llm.rpc import tensor_channel as tc
 from infinite_llm.rpc.options import STEPS_PER_STREAM_KEY, STEPS_PER_STREAM_MANY
@@ -130,16 +129,9 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
         s = await self._run(self.holder.stats)
-        layout = self.holder.layout
         return pb.GetStatsResponse(
             server_id=self.server_id,
-            layout=tensor_pb2.KVLayout(
-                num_layers=layout.num_layers,
-                block_size=layout.block_size,
-                num_kv_heads=layout.num_kv_heads,
-                head_dim=layout.head_dim,
-                dtype=codec.dtype_name(layout.dtype),
-            ),
+            layout=codec.kv_layout_message(self.holder.layout),
             num_blocks=s.num_blocks,
             num_free=s.num_free,
             num_used=s.num_used,

@@ -17,6 +17,7 @@ import grpc
 
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+from infinite_llm.pb.v1 import tensor_pb2
 from infinite_llm.rpc.channels import aio_channel
 from infinite_llm.rpc.options import serving_only
 from infinite_llm.services.compute.migration import MigrationExecutor, MigrationResult, Order
@@ -52,12 +53,14 @@ class ComputeRegistrar:
         load: Callable[[], ComputeLoadReport],
         home_server_ids: tuple[str, ...] = (),
         node_name: str = "",
+        layout: tensor_pb2.KVLayout | None = None,
     ) -> None:
         self._stub = mgrpc.GlobalManagerStub(
             aio_channel(manager_address, timeout_s=CALL_TIMEOUT_S, extra_options=serving_only())
         )
         self.instance_id, self.address = instance_id, address
         self.home_server_ids, self.node_name = home_server_ids, node_name
+        self.layout = layout  # the KV its model and dtype need (the manager refuses one unlike its members')
         self._load = load
         self._keeper = LeaseKeeper(instance_id, self._register, self._heartbeat)
         self.registered = self._keeper.registered
@@ -87,6 +90,7 @@ class ComputeRegistrar:
                 address=self.address,
                 home_server_ids=self.home_server_ids,
                 node_name=self.node_name,
+                layout=self.layout,
             ),
             timeout=CALL_TIMEOUT_S,
         )

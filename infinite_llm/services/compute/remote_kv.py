@@ -27,7 +27,7 @@ from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import sync_channel
-from infinite_llm.rpc.codec import dtype_name
+from infinite_llm.rpc.codec import dtype_name, kv_layout_text
 from infinite_llm.rpc.errors import describe_rpc_error
 from infinite_llm.rpc.options import serving_only
 
@@ -43,11 +43,6 @@ PLACE_RETRY_S = 1.0
 # a frozen manager must not hold every running sequence's step for the call's full deadline.
 OPTIONAL_CALL_S = 2.0
 TRANSPORTS = ("grpc", "torch")
-
-
-def _describe(layout: tuple[str, int, int, int]) -> str:
-    dtype, layers, kv_heads, head_dim = layout
-    return f"{dtype} for {layers} layers x {kv_heads} KV heads x {head_dim}"
 
 
 STARTUP_RETRY_S = 30.0  # how long a starting instance waits for an unreachable manager (seconds)
@@ -140,8 +135,8 @@ class ManagerPlacement:
         have = (got.dtype, got.num_layers, got.num_kv_heads, got.head_dim)
         if have != want:
             raise FailedPrecondition(
-                f"attention server {server_id} keeps KV as {_describe(have)}; this compute instance's model "
-                f"and --dtype need {_describe(want)}: give every attention server and compute instance of a "
+                f"attention server {server_id} keeps KV as {kv_layout_text(*have)}; this compute instance's model "
+                f"and --dtype need {kv_layout_text(*want)}: give every attention server and compute instance of a "
                 "cluster the same model and dtype"
             )
 

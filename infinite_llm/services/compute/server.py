@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
-from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
+from infinite_llm.core.config import DEFAULT_BLOCK_SIZE, ModelConfig
 from infinite_llm.core.dist_attention import DistAttention
 from infinite_llm.core.errors import InvalidRequest
 from infinite_llm.core.ids import check_id
@@ -25,7 +25,8 @@ from infinite_llm.core.rmanager import KVLayout
 from infinite_llm.engine import EngineConfig, LLMEngine
 from infinite_llm.observability.metrics import EngineMetrics, serve_metrics
 from infinite_llm.observability.tracing import setup_tracing
-from infinite_llm.pb.v1 import compute_instance_pb2, compute_instance_pb2_grpc
+from infinite_llm.pb.v1 import compute_instance_pb2, compute_instance_pb2_grpc, tensor_pb2
+from infinite_llm.rpc import codec
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.rpc.server import Service, start_server
 from infinite_llm.services.compute.engine_loop import EngineLoop
@@ -104,15 +105,7 @@ def build_engine(
         instance_id=config.instance_id,
         prefix_cache_model_id=model_id,
     )
-    kv.placement.check_cluster(
-        KVLayout(
-            num_layers=model_config.num_hidden_layers,
-            block_size=config.block_size,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_dim=model_config.head_dim,
-            dtype=config.dtype,
-        )
-    )
+    kv.placement.check_cluster(kv_layout(model_config, config))
     engine_config = EngineConfig(
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
@@ -123,6 +116,17 @@ def build_engine(
     )
     engine = LLMEngine.from_weights(model_config, state_dict, tokenizer, engine_config, kv=kv)
     return engine, kv, resolved.name
+
+
+def kv_layout(model_config: ModelConfig, config: ComputeConfig) -> KVLayout:
+    """The KV this instance's model and dtype need on every attention server."""
+    return KVLayout(
+        num_layers=model_config.num_hidden_layers,
+        block_size=config.block_size,
+        num_kv_heads=model_config.num_key_value_heads,
+        head_dim=model_config.head_dim,
+        dtype=config.dtype,
+    )
 
 
 def prefix_cache_model_id(model_name: str, dtype: torch.dtype) -> str:
@@ -159,7 +163,8 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     server = await start_server([service], f"{config.host}:{config.port}")
     log.info("compute instance %s serving %s on %s:%d", config.instance_id, model_name, config.host, server.port)
     print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)
-    registrar = registrar_for(config, server.port, loop, kv.placement.held_seq_ids)
+    layout = kv_layout(engine.model_config, config)
+    registrar = registrar_for(config, server.port, loop, kv.placement.held_seq_ids, codec.kv_layout_message(layout))
     migrations = migration_executor(loop, kv, config) if config.migration_tokens_per_step > 0 else None
     registrar.migrations = migrations
     registrar.start()
@@ -202,10 +207,15 @@ def migration_executor(loop: EngineLoop, kv: DistAttention, config: ComputeConfi
 
 
 def registrar_for(
-    config: ComputeConfig, port: int, loop: EngineLoop, held: Callable[[], list[str]] | None = None
+    config: ComputeConfig,
+    port: int,
+    loop: EngineLoop,
+    held: Callable[[], list[str]] | None = None,
+    layout: tensor_pb2.KVLayout | None = None,
 ) -> ComputeRegistrar:
-    """The instance's membership: its advertised ``host:port``, homes, and its loop's load on heartbeats
-    (``held()``: the sequences it holds rBlocks for, for the manager's orphan reconciliation)."""
+    """The instance's membership: its advertised ``host:port``, homes, the KV it needs (``layout``), and its
+    loop's load on heartbeats (``held()``: the sequences it holds rBlocks for, for the manager's orphan
+    reconciliation)."""
     seen = [0, 0.0]  # steps and step seconds already reported
 
     def load() -> ComputeLoadReport:
@@ -224,4 +234,5 @@ def registrar_for(
         load,
         config.home_server_ids,
         config.node_name,
+        layout,
     )

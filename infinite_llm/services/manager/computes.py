@@ -46,6 +46,7 @@ class ComputeInfo:
     home_server_ids: tuple[str, ...] = ()
     node_name: str = ""
     identity: str = ""
+    kv_layout: str = ""  # the KV its model and dtype need, as ``codec.kv_layout_text`` ('' = not told)
 
     def __post_init__(self) -> None:
         check_id("instance_id", self.instance_id)
@@ -59,13 +60,16 @@ class ComputeInfo:
         value = {"address": self.address, "home_server_ids": list(self.home_server_ids), "node_name": self.node_name}
         if self.identity:  # records of plaintext instances read as before
             value["identity"] = self.identity
+        if self.kv_layout:
+            value["kv_layout"] = self.kv_layout
         return json.dumps(value, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, instance_id: str, data: bytes) -> ComputeInfo:
         value = json.loads(data)
         homes = tuple(value.get("home_server_ids", ()))
-        return cls(instance_id, value["address"], homes, value.get("node_name", ""), value.get("identity", ""))
+        node, identity, kv = value.get("node_name", ""), value.get("identity", ""), value.get("kv_layout", "")
+        return cls(instance_id, value["address"], homes, node, identity, kv)
 
     def homes(self, servers: Iterable[MemberInfo]) -> tuple[str, ...]:
         """The named homes plus the live attention servers on this instance's node, sorted."""

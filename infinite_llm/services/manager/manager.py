@@ -211,21 +211,25 @@ class GlobalManager:
         ttl_s: int | None = None,
         node_name: str = "",
         identity: str = "",
+        kv_layout: str = "",
     ) -> Registration:
         """Register a server under a lease of ``ttl_s`` seconds (default ``member_ttl_s``); ``node_name``: the
         machine it runs on, which makes it a home of the compute instances registered with that node;
-        ``identity``: the subject of its certificate. While a registration of ``server_id`` lives, only the
-        same identity at the same address may register it again (a restart, a lost reply).
+        ``identity``: the subject of its certificate; ``kv_layout``: the KV it keeps (``codec.kv_layout_text``,
+        '' = not told). While a registration of ``server_id`` lives, only the same identity at the same address
+        may register it again (a restart, a lost reply).
 
         Raises:
             InvalidRequest: a bad id, address, node name, capacity (rBlocks) or block size (tokens).
-            FailedPrecondition: the server's block size differs from the cluster's.
+            FailedPrecondition: the server's block size differs from the cluster's, or its KV layout from a
+                live member's.
             PermissionDenied: ``server_id`` is registered live from another identity or address.
             NotLeader: this manager does not lead.
         """
-        info = MemberInfo(server_id, address, capacity_blocks, block_size, kind, node_name, identity)
+        info = MemberInfo(server_id, address, capacity_blocks, block_size, kind, node_name, identity, kv_layout)
         check_address(address)
         self.check_block_size(block_size, f"attention server {server_id!r}")
+        self.check_kv_layout(kv_layout, f"attention server {server_id!r} keeps", ("attention", server_id))
         live = next((m.info for m in self.membership.members() if m.info.server_id == server_id), None)
         if live is not None and (live.identity, live.address) != (identity, address):
             raise PermissionDenied(
@@ -268,6 +272,25 @@ class GlobalManager:
         """Live members by server id (the watch keeps this current)."""
         return self.membership.members()
 
+    def check_kv_layout(self, kv_layout: str, who: str, member: tuple[str, str]) -> None:
+        """Raises ``FailedPrecondition`` when a live member other than ``member`` (``("attention", server_id)``
+        or ``("compute", instance_id)``) keeps or needs KV other than ``kv_layout`` ('' = not told: no check).
+        The first members fix a cluster's model and dtype; a server or instance of another is refused before
+        any rBlock is placed on it or for it (its every step would be refused)."""
+        if not kv_layout:
+            return
+        live = [(("attention", m.info.server_id), m.info.kv_layout) for m in self.membership.members()]
+        live += [(("compute", m.info.instance_id), m.info.kv_layout) for m in self.computes.members.members()]
+        roles = {"attention": "attention server", "compute": "compute instance"}
+        other = sorted((layout, f"{roles[kind]} {name}") for (kind, name), layout in live
+                       if layout and layout != kv_layout and (kind, name) != member)  # fmt: skip
+        if other:
+            layout, names = other[0][0], ", ".join(n for lay, n in other if lay == other[0][0])
+            raise FailedPrecondition(
+                f"{who} KV as {kv_layout}; this cluster's live members ({names}) use {layout}: give every "
+                "attention server and compute instance of a cluster the same model and dtype"
+            )
+
     def check_block_size(self, block_size: int, who: str) -> None:
         """Raises ``FailedPrecondition`` unless ``block_size`` (tokens) is the cluster's."""
         if block_size != self.config.block_size:
@@ -283,9 +306,13 @@ class GlobalManager:
 
         Raises:
             PermissionDenied: ``info.instance_id`` is registered live by another identity.
+            FailedPrecondition: the KV its model and dtype need (``info.kv_layout``) differs from a live
+                member's.
             NotLeader: this manager does not lead.
         """
         self.computes.check_owner(info.instance_id, info.identity)
+        who = f"compute instance {info.instance_id!r} needs"
+        self.check_kv_layout(info.kv_layout, who, ("compute", info.instance_id))
         return await self.computes.register(info, ttl_s or self.config.member_ttl_s)
 
     async def heartbeat_compute(self, instance_id: str, load: ComputeLoad) -> int:

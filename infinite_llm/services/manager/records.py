@@ -46,6 +46,7 @@ class MemberInfo:
     kind: str = "attention"
     node_name: str = ""
     identity: str = ""
+    kv_layout: str = ""  # the KV it keeps, as ``codec.kv_layout_text`` ('' = not told: an older server)
 
     def __post_init__(self) -> None:
         check_id("server_id", self.server_id)
@@ -61,14 +62,15 @@ class MemberInfo:
         del fields["server_id"]  # it is the key
         if not fields["node_name"]:
             del fields["node_name"]  # records of servers that were not told their node read as before
-        if not fields["identity"]:
-            del fields["identity"]
+        for optional in ("identity", "kv_layout"):
+            if not fields[optional]:
+                del fields[optional]
         return json.dumps(fields, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, server_id: str, data: bytes) -> MemberInfo:
         # newer writers may add fields
-        known = {"address", "capacity_blocks", "block_size", "kind", "node_name", "identity"}
+        known = {"address", "capacity_blocks", "block_size", "kind", "node_name", "identity", "kv_layout"}
         return cls(server_id=server_id, **{k: v for k, v in json.loads(data).items() if k in known})
 
 

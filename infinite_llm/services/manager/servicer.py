@@ -11,6 +11,7 @@ from infinite_llm.core.errors import CapacityExhausted, PermissionDenied
 from infinite_llm.observability.metrics import ManagerMetrics
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+from infinite_llm.rpc.codec import kv_layout_of
 from infinite_llm.rpc.tls import peer_of
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad, ComputeState, heartbeat_age_s
 from infinite_llm.services.manager.manager import GlobalManager
@@ -57,6 +58,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             request.kind or "attention",
             node_name=request.node_name,
             identity=peer_of(context).identity,
+            kv_layout=kv_layout_of(request.layout),
         )
         self.metrics.view_capacity.labels(server_id=request.server_id).set(request.capacity_blocks)
         return mpb.RegisterResponse(lease_ttl_s=reg.ttl_s)
@@ -170,7 +172,8 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
     # ---- compute instances -----------------------------------------------------------------------
     async def RegisterCompute(self, request: mpb.RegisterComputeRequest, context) -> mpb.RegisterComputeResponse:  # noqa: N802, ANN001
         homes, identity = tuple(request.home_server_ids), peer_of(context).identity
-        info = ComputeInfo(request.instance_id, request.address, homes, request.node_name, identity)
+        kv = kv_layout_of(request.layout)
+        info = ComputeInfo(request.instance_id, request.address, homes, request.node_name, identity, kv)
         reg = await self.manager.register_compute(info)
         return mpb.RegisterComputeResponse(lease_ttl_s=reg.ttl_s)
 

@@ -12,6 +12,7 @@ import pytest
 
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+from infinite_llm.pb.v1 import tensor_pb2 as tpb
 from infinite_llm.rpc.channels import aio_channel
 from infinite_llm.rpc.errors import error_from_rpc
 from infinite_llm.rpc.server import Service, start_server
@@ -66,6 +67,27 @@ def test_register_compute_refuses_bad_input_with_invalid_argument(etcd_server, e
             request = mpb.RegisterComputeRequest(**{**REGISTER, **fields})
             assert await refused(stub.RegisterCompute, request) == (grpc.StatusCode.INVALID_ARGUMENT, param)
             assert (await stub.ListComputeInstances(mpb.ListComputeInstancesRequest())).instances == []
+
+    asyncio.run(scenario())
+
+
+def test_registrations_carry_the_kv_layout_and_one_unlike_the_clusters_is_failed_precondition(etcd_server, etcd_prefix):
+    fp32 = tpb.KVLayout(num_layers=30, block_size=4, num_kv_heads=3, head_dim=64, dtype="float32")
+    bf16 = tpb.KVLayout(num_layers=30, block_size=4, num_kv_heads=3, head_dim=64, dtype="bfloat16")
+
+    async def scenario():
+        servers = make_servers({"a": 4})
+        async with running_manager(etcd_server, etcd_prefix, servers, register=False) as m, served(m) as stub:
+            await stub.Register(mpb.RegisterRequest(server_id="a", address="127.0.0.1:50061", capacity_blocks=4,
+                                                    block_size=4, layout=fp32))  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.RegisterCompute(mpb.RegisterComputeRequest(**REGISTER, layout=bf16))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "compute instance 'c0' needs KV as bfloat16 for 30 layers x 3 KV heads x 64" in e.value.details()
+            await stub.RegisterCompute(mpb.RegisterComputeRequest(**REGISTER, layout=fp32))
+            assert [
+                i.instance_id for i in (await stub.ListComputeInstances(mpb.ListComputeInstancesRequest())).instances
+            ] == ["c0"]
 
     asyncio.run(scenario())
 

@@ -228,3 +228,37 @@ def test_an_etcd_outage_longer_than_the_ttl_removes_no_member_that_kept_heartbea
         asyncio.run(scenario())
     finally:
         etcd.stop()
+
+
+def test_a_member_whose_kv_layout_differs_from_the_live_ones_is_refused_and_not_registered(etcd_server, etcd_prefix):
+    """The first members fix the cluster's KV (model and dtype); an attention server or compute instance of
+    another is refused before anything is placed on it or for it; one that does not tell (an older build) is
+    not checked, and its record reads as before."""
+    fp32 = "float32 for 30 layers x 3 KV heads x 64"
+    bf16 = "bfloat16 for 30 layers x 3 KV heads x 64"
+
+    async def scenario():
+        servers = make_servers({"a": 8, "b": 8, "c": 8})
+        async with running_manager(etcd_server, etcd_prefix, servers, register=False, block_size=4) as m:
+            await m.register("a", "10.0.0.1:50051", 8, 4, kv_layout=fp32)
+            with pytest.raises(FailedPrecondition) as refused:
+                await m.register("b", "10.0.0.2:50051", 8, 4, kv_layout=bf16)
+            assert str(refused.value.message) == (
+                f"attention server 'b' keeps KV as {bf16}; this cluster's live members (attention server a) use "
+                f"{fp32}: give every attention server and compute instance of a cluster the same model and dtype"
+            )
+            await m.register("c", "10.0.0.3:50051", 8, 4)  # not told: not checked
+            with pytest.raises(
+                FailedPrecondition, match=f"compute instance 'c0' needs KV as {bf16}; .*attention server a"
+            ):
+                await m.register_compute(ComputeInfo("c0", "10.0.1.1:50070", kv_layout=bf16))
+            await m.register_compute(ComputeInfo("c1", "10.0.1.2:50070", kv_layout=fp32))
+            await m.register("a", "10.0.0.1:50051", 8, 4, kv_layout=fp32)  # a restart of a: itself is no conflict
+            assert _ids(m) == ["a", "c"] and _instances(m) == ["c1"]
+            async with open_store(etcd_server, etcd_prefix) as raw:
+                assert await raw.get("members/b") is None and await raw.get("computes/c0") is None
+                assert json.loads((await raw.get("members/a")).value)["kv_layout"] == fp32
+                assert "kv_layout" not in json.loads((await raw.get("members/c")).value)
+                assert json.loads((await raw.get("computes/c1")).value)["kv_layout"] == fp32
+
+    asyncio.run(scenario())
