@@ -84,20 +84,29 @@ class StepSeq(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new: _Optional[int] = ..., num_blocks_here: _Optional[int] = ...) -> None: ...
 
 class StepOpen(_message.Message):
-    __slots__ = ("step_id", "seqs", "num_heads", "tensor_channel", "num_kv_rows", "dtype")
+    __slots__ = ("step_id", "seqs", "num_heads", "tensor_channel", "num_kv_rows", "dtype", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_ROWS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seqs: _containers.RepeatedCompositeFieldContainer[StepSeq]
     num_heads: int
     tensor_channel: str
     num_kv_rows: int
     dtype: str
-    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[StepSeq, _Mapping]]] = ..., num_heads: _Optional[int] = ..., tensor_channel: _Optional[str] = ..., num_kv_rows: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[StepSeq, _Mapping]]] = ..., num_heads: _Optional[int] = ..., tensor_channel: _Optional[str] = ..., num_kv_rows: _Optional[int] = ..., dtype: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LayerInput(_message.Message):
     __slots__ = ("layer", "query", "key", "value")

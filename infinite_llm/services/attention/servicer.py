@@ -11,14 +11,16 @@ crosses the event loop per layer. Errors are typed (``core/errors.py``) and beco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
+from opentelemetry import propagate, trace
 
 from infinite_llm.core.block_pool import Reservation
 from infinite_llm.core.errors import FailedPrecondition, InfiniteLLMError, InvalidRequest, NotFound
@@ -35,6 +37,7 @@ from infinite_llm.services.attention.validation import check_payload_values
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+_TRACER = trace.get_tracer(__name__)
 MAX_CHUNK_BYTES = 16 << 20  # an export chunk larger than this defeats the point of streaming
 # A layer of at most this many (query, key) pairs runs on the event loop: a decode batch over a short context,
 # whose attention takes less than the executor's two thread hops (~0.15 ms a layer on 2 CPU cores, SmolLM2 at
@@ -157,22 +160,23 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
         while msg is not None:
             if msg.WhichOneof("part") != "open":
                 raise InvalidRequest("an AttendStream step must start with a StepOpen, after the last StepEnd")
-            if msg.open.tensor_channel:
-                await self._channel_step(msg.open)  # the layers travel on the channel: nothing to yield
-                end = await anext(stream, None)
-                if end is not None and not _ends(end, msg.open.step_id):
-                    raise InvalidRequest("a channel step's stream carries only its StepEnd after the StepOpen")
-            else:
-                seqs = [_seq_step(s) for s in msg.open.seqs]
-                step, small = await self._run(self._open_step, seqs, msg.open.num_heads)
-                async for layer in stream:
-                    if _ends(layer, msg.open.step_id):
-                        break
-                    if layer.WhichOneof("part") != "layer":
-                        raise InvalidRequest("an AttendStream step carries exactly one StepOpen, first")
-                    yield await self._attend(step, small, layer.layer)
+            with _step_span(msg.open):
+                if msg.open.tensor_channel:
+                    await self._channel_step(msg.open)  # the layers travel on the channel: nothing to yield
+                    end = await anext(stream, None)
+                    if end is not None and not _ends(end, msg.open.step_id):
+                        raise InvalidRequest("a channel step's stream carries only its StepEnd after the StepOpen")
                 else:
-                    return  # the client half-closed: its last step ended
+                    seqs = [_seq_step(s) for s in msg.open.seqs]
+                    step, small = await self._run(self._open_step, seqs, msg.open.num_heads)
+                    async for layer in stream:
+                        if _ends(layer, msg.open.step_id):
+                            break
+                        if layer.WhichOneof("part") != "layer":
+                            raise InvalidRequest("an AttendStream step carries exactly one StepOpen, first")
+                        yield await self._attend(step, small, layer.layer)
+                    else:
+                        return  # the client half-closed: its last step ended
             msg = await self._next_step(stream)
 
     async def _next_step(self, stream: AsyncIterator[pb.AttendStreamRequest]) -> pb.AttendStreamRequest | None:
@@ -373,6 +377,26 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
                 self.holder.cancel(reservation.reservation_id)
             except NotFound:
                 pass  # already gone with its sequence (FreeSequence)
+
+
+@contextlib.contextmanager
+def _step_span(open_msg: pb.StepOpen) -> Iterator[None]:
+    """A server span of one step in the trace its StepOpen carries (none when it carries none). Not made
+    current: the handler yields between layers, and nothing under it makes spans."""
+    if not open_msg.trace_context:
+        yield
+        return
+    parent = propagate.extract(dict(open_msg.trace_context))
+    attributes = {"infinite_llm.step_id": open_msg.step_id, "infinite_llm.num_seqs": len(open_msg.seqs)}
+    span = _TRACER.start_span("AttendStream step", context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+    try:
+        yield
+    except BaseException as e:
+        span.record_exception(e)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+        raise
+    finally:
+        span.end()
 
 
 def _ends(msg: pb.AttendStreamRequest, step_id: int) -> bool:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import propagate
 
 from infinite_llm.client.errors import error_from_rpc
 from infinite_llm.core.dist_attention import HolderId, LayerInput, Partial
@@ -48,7 +49,10 @@ def step_open(
     num_kv_rows: int = 0,
     dtype: str = "",
 ) -> apb.AttendStreamRequest:
-    """The first message of a step's stream to one server."""
+    """The first message of a step to one server (with the current trace context: the server's span of the
+    step joins the caller's trace)."""
+    trace_context: dict[str, str] = {}
+    propagate.inject(trace_context)
     return apb.AttendStreamRequest(
         open=apb.StepOpen(
             step_id=step_id,
@@ -56,6 +60,7 @@ def step_open(
             tensor_channel=tensor_channel,
             num_kv_rows=num_kv_rows,
             dtype=dtype,
+            trace_context=trace_context,
             seqs=[
                 apb.StepSeq(
                     seq_id=s.seq_id,
