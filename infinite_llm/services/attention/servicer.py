@@ -164,7 +164,9 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
                 if msg.open.tensor_channel:
                     await self._channel_step(msg.open)  # the layers travel on the channel: nothing to yield
                     end = await anext(stream, None)
-                    if end is not None and not _ends(end, msg.open.step_id):
+                    if end is None:
+                        return  # the client half-closed: its last step ended
+                    if not _ends(end, msg.open.step_id):
                         raise InvalidRequest("a channel step's stream carries only its StepEnd after the StepOpen")
                 else:
                     seqs = [_seq_step(s) for s in msg.open.seqs]
