@@ -65,6 +65,7 @@ bench: install model
 	$(BIN)/python benchmarks/attention_bandwidth.py
 	$(BIN)/python benchmarks/engine_throughput.py
 	$(BIN)/python benchmarks/mesh_overhead.py
+	$(BIN)/python benchmarks/step_streams.py
 	$(BIN)/python benchmarks/attention_server_layer.py
 
 clean:
