@@ -64,19 +64,6 @@ def kv_layout_message(layout: KVLayout) -> tensor_pb2.KVLayout:
     )
 
 
-def kv_layout_text(dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
-    """A KV layout as the manager compares members and errors name it: ``dtype`` a Tensor dtype name
-    ("float32", "bfloat16", "float16"), the rest counts (``head_dim`` in elements)."""
-    return f"{dtype} for {num_layers} layers x {num_kv_heads} KV heads x {head_dim}"
-
-
-def kv_layout_of(layout: tensor_pb2.KVLayout) -> str:
-    """:func:`kv_layout_text` of a ``KVLayout`` message; '' when it is unset (a member that did not tell)."""
-    if not layout.num_layers:
-        return ""
-    return kv_layout_text(layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim)
-
-
 def dtype_from_name(name: str, *, field: str = "tensor") -> torch.dtype:
     """Torch dtype of a wire name. Raises ``InvalidRequest`` naming ``field`` for an unknown name."""
     try:

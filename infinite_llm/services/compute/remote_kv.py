@@ -27,8 +27,9 @@ from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
 from infinite_llm.rpc.channels import sync_channel
-from infinite_llm.rpc.codec import dtype_name, kv_layout_text
+from infinite_llm.rpc.codec import dtype_name
 from infinite_llm.rpc.errors import describe_rpc_error
+from infinite_llm.rpc.kv_layout import kv_layout_text
 from infinite_llm.rpc.options import serving_only
 
 log = logging.getLogger(__name__)

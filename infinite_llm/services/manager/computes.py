@@ -46,7 +46,7 @@ class ComputeInfo:
     home_server_ids: tuple[str, ...] = ()
     node_name: str = ""
     identity: str = ""
-    kv_layout: str = ""  # the KV its model and dtype need, as ``codec.kv_layout_text`` ('' = not told)
+    kv_layout: str = ""  # the KV its model and dtype need, as ``rpc.kv_layout.kv_layout_text`` ('' = not told)
 
     def __post_init__(self) -> None:
         check_id("instance_id", self.instance_id)

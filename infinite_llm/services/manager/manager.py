@@ -215,7 +215,7 @@ class GlobalManager:
     ) -> Registration:
         """Register a server under a lease of ``ttl_s`` seconds (default ``member_ttl_s``); ``node_name``: the
         machine it runs on, which makes it a home of the compute instances registered with that node;
-        ``identity``: the subject of its certificate; ``kv_layout``: the KV it keeps (``codec.kv_layout_text``,
+        ``identity``: the subject of its certificate; ``kv_layout``: the KV it keeps (``rpc.kv_layout.kv_layout_text``,
         '' = not told). While a registration of ``server_id`` lives, only the same identity at the same address
         may register it again (a restart, a lost reply).
 

@@ -46,7 +46,7 @@ class MemberInfo:
     kind: str = "attention"
     node_name: str = ""
     identity: str = ""
-    kv_layout: str = ""  # the KV it keeps, as ``codec.kv_layout_text`` ('' = not told: an older server)
+    kv_layout: str = ""  # the KV it keeps, as ``rpc.kv_layout.kv_layout_text`` ('' = not told: an older server)
 
     def __post_init__(self) -> None:
         check_id("server_id", self.server_id)

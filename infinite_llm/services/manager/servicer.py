@@ -11,7 +11,7 @@ from infinite_llm.core.errors import CapacityExhausted, PermissionDenied
 from infinite_llm.observability.metrics import ManagerMetrics
 from infinite_llm.pb.v1 import manager_pb2 as mpb
 from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
-from infinite_llm.rpc.codec import kv_layout_of
+from infinite_llm.rpc.kv_layout import kv_layout_of
 from infinite_llm.rpc.tls import peer_of
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad, ComputeState, heartbeat_age_s
 from infinite_llm.services.manager.manager import GlobalManager
