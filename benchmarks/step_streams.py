@@ -36,7 +36,7 @@ from infinite_llm.services.compute.grpc_transport import GrpcTransport, StepStre
 SHAPE = {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64, "num_attention_heads": 9}
 BLOCK_SIZE = 16
 CONTEXT = 100  # tokens of each sequence before the measured steps
-BLOCKS_PER_SEQ = 12  # room for CONTEXT + the steps of every round (192 tokens)
+BLOCKS_PER_SEQ = 16  # room for CONTEXT + the steps of every round (256 tokens)
 
 
 class OneStreamPerStep(GrpcTransport):
@@ -94,7 +94,7 @@ def main() -> int:
     if CONTEXT + args.rounds * args.steps > BLOCKS_PER_SEQ * BLOCK_SIZE:
         parser.error(f"--rounds x --steps must be <= {BLOCKS_PER_SEQ * BLOCK_SIZE - CONTEXT}")
     work = replace(SMOKE, model={**SMOKE.model, **SHAPE}, block_size=BLOCK_SIZE)
-    blocks = max(args.batches) * 2 * BLOCKS_PER_SEQ  # per server, room for both modes' sequences
+    blocks = max(args.batches) * 2 * -(-BLOCKS_PER_SEQ // 3)  # per server: both modes' sequences, round robin
     print(f"3 attention servers on loopback, KV {SHAPE['num_hidden_layers']} layers x {SHAPE['num_key_value_heads']} "
           f"KV heads x {SHAPE['head_dim']} fp32, block_size {BLOCK_SIZE}, {CONTEXT} tokens of context, "
           f"{args.steps} decode steps per mode per round, {args.rounds} rounds")  # fmt: skip
