@@ -8,7 +8,8 @@ of the waiting queue with its tokens so far, to be prefilled again (vLLM v1's po
 to KV memory only through the small :class:`BlockManager` protocol, so the same code drives local
 partitions and remote attention servers. A placement refused for one sequence's own sake (its id, or a
 sequence released behind its back: :data:`REQUEST_ERRORS`) fails that sequence alone; the rest of the
-step goes on. A placement that is unreachable (``Unavailable``: a manager or etcd outage) holds back only
+step goes on. A placement that is unreachable or late (``Unavailable``: a manager or etcd outage;
+``DeadlineExceeded``: a frozen attention server it reserved on) holds back only
 the sequences that need new rBlocks; the others keep stepping. Source: vLLM v1 ``Scheduler.schedule``,
 nano-vllm ``scheduler.py``.
 """
@@ -23,7 +24,14 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from infinite_llm.core.constraints import TokenConstraint
-from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, KVCapacityExceeded, NotFound, Unavailable
+from infinite_llm.core.errors import (
+    DeadlineExceeded,
+    InfiniteLLMError,
+    InvalidRequest,
+    KVCapacityExceeded,
+    NotFound,
+    Unavailable,
+)
 from infinite_llm.core.logprobs import TokenLogprob
 from infinite_llm.core.sampling import SamplingParams
 
@@ -212,7 +220,8 @@ class Scheduler:
             except REQUEST_ERRORS as e:
                 failed.append(self._fail(seq, e))
                 continue  # it left the running list: the next sequence is at i now
-            except Unavailable as e:  # placement unreachable (a manager or etcd outage): it waits, the rest step
+            except (Unavailable, DeadlineExceeded) as e:  # placement unreachable (a manager or etcd outage) or
+                # not answering in time (a frozen server it reserved on): it waits, the rest step
                 self._warn_stalled(seq, e)
                 i += 1
                 continue
@@ -240,7 +249,7 @@ class Scheduler:
             except REQUEST_ERRORS as e:
                 failed.append(self._fail(seq, e))
                 continue  # it left the waiting queue
-            except Unavailable:  # placement unreachable: admit nobody this step
+            except (Unavailable, DeadlineExceeded):  # placement unreachable or late: admit nobody this step
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -251,7 +260,7 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(scheduled, preempted, failed)
 
-    def _warn_stalled(self, seq: Sequence, error: Unavailable) -> None:
+    def _warn_stalled(self, seq: Sequence, error: Unavailable | DeadlineExceeded) -> None:
         """Log a running sequence that gets no rBlocks this step, at most once per ``STALL_LOG_INTERVAL_S``
         (an outage stalls it step after step), with how many such stalls went unlogged since."""
         now = time.monotonic()

@@ -5,7 +5,13 @@ import random
 import pytest
 
 from infinite_llm.core.dist_attention import DistAttention
-from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, KVCapacityExceeded, Unavailable
+from infinite_llm.core.errors import (
+    CapacityExhausted,
+    DeadlineExceeded,
+    InvalidRequest,
+    KVCapacityExceeded,
+    Unavailable,
+)
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
 from infinite_llm.core.rmanager import KVLayout, RManager
 from infinite_llm.core.sampling import SamplingParams
@@ -155,25 +161,27 @@ def test_a_running_sequence_refused_a_new_block_fails_alone_and_frees_its_blocks
 
 
 class _Outage:
-    """A placement whose manager is unreachable while ``down``: ``place`` raises ``Unavailable``."""
+    """A placement that fails while ``down``: ``place`` raises ``error`` (an unreachable manager's
+    ``Unavailable``, or ``DeadlineExceeded`` when the server it reserves on is frozen)."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.down = inner, False
+    def __init__(self, inner, error: Exception) -> None:
+        self.inner, self.down, self.error = inner, False, error
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def place(self, seq_id, n, first_index, near=None):  # noqa: ANN001, ANN201
-        from infinite_llm.core.errors import Unavailable
-
         if self.down:
-            raise Unavailable("manager unreachable")
+            raise self.error
         return self.inner.place(seq_id, n, first_index, near)
 
 
-def test_an_unreachable_placement_defers_only_the_sequences_that_need_new_blocks():
+@pytest.mark.parametrize(
+    "error", [Unavailable("manager unreachable"), DeadlineExceeded("Deadline Exceeded")], ids=["down", "frozen"]
+)
+def test_an_unreachable_placement_defers_only_the_sequences_that_need_new_blocks(error):
     sched, kv = _sched(num_blocks=16, budget=16)
-    kv.placement = outage = _Outage(kv.placement)
+    kv.placement = outage = _Outage(kv.placement, error)
     a, b = _seq("a", 4, max_tokens=8), _seq("b", 2, max_tokens=8)
     for s in (a, b):
         sched.add(s)

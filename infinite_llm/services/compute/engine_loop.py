@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from infinite_llm.core.errors import FailedPrecondition, InfiniteLLMError, NotFound, QueueFull, Unavailable
+from infinite_llm.core.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InfiniteLLMError,
+    NotFound,
+    QueueFull,
+    Unavailable,
+)
 from infinite_llm.core.sampling import SamplingParams
 from infinite_llm.engine import LLMEngine, RequestOutput
 from infinite_llm.observability.metrics import EngineMetrics
@@ -211,8 +218,10 @@ class EngineLoop:
                 self.steps, self.step_seconds = self.steps + 1, self.step_seconds + elapsed
                 if self.metrics is not None:
                     self.metrics.step_seconds.observe(elapsed)
-        except (Unavailable, NotFound, FailedPrecondition) as e:  # a server unreachable, one that lost (fenced)
-            self._recover(e)  # our KV, or one whose rBlocks of a sequence are not what its block table says
+        except (Unavailable, DeadlineExceeded, NotFound, FailedPrecondition) as e:  # a server unreachable or
+            # frozen (a step's or a placement's deadline), one that lost (fenced) our KV, or one whose rBlocks
+            # of a sequence are not what its block table says
+            self._recover(e)
             return
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the process
             log.exception("engine step failed; failing %d requests", len(self._sinks))
@@ -279,7 +288,7 @@ class EngineLoop:
             if out.first_scheduled_time is not None:
                 m.queue.observe(out.first_scheduled_time - out.arrival_time)
 
-    def _recover(self, error: Unavailable | NotFound | FailedPrecondition) -> None:
+    def _recover(self, error: Unavailable | DeadlineExceeded | NotFound | FailedPrecondition) -> None:
         """An attention server became unreachable mid-step, or no longer knows a sequence (it was fenced
         after a pause past its lease and rejoined empty): its KV is gone; or one refused a step because it
         holds other rBlocks of a sequence than the block table puts there (``SeqStep.num_blocks_here``: a

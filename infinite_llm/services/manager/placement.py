@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from infinite_llm.core.block_pool import Reservation
-from infinite_llm.core.errors import CapacityExhausted, NotFound, Unavailable
+from infinite_llm.core.errors import CapacityExhausted, DeadlineExceeded, NotFound, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ async def _reserve_shares(
         view.take(server_id, n)
         try:
             reservation = await servers.reserve(server_id, seq_id, n)
-        except (CapacityExhausted, Unavailable) as e:
+        except (CapacityExhausted, Unavailable, DeadlineExceeded) as e:  # full, down, or not answering (frozen)
             # DEBUG: a sequence waiting for memory retries every step (up to ~10 a second, 4,578 lines in 9.5 min
             # of one walkthrough); the placement_failures counter counts the Place calls refused
             log.debug("reserve %d rBlocks on %s for %s refused: %s", n, server_id, seq_id, e)

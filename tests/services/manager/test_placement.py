@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from infinite_llm.core.errors import CapacityExhausted, InvalidRequest, NotFound
+from infinite_llm.core.errors import CapacityExhausted, DeadlineExceeded, InvalidRequest, NotFound
 from infinite_llm.services.manager import Grant, LocalServers, choose_servers
 
 from .helpers import make_servers, open_store, pool_state, running_manager
@@ -50,6 +50,26 @@ def test_failed_reservation_on_stale_server_falls_over_to_another(etcd_server, e
             assert servers.rmanagers["a"].pool.num_free == 2 and servers.rmanagers["a"].pool.num_reserved == 0
             await m.heartbeat("a", free_blocks=2)
             assert await m.place("t", 2) == [Grant("a", 2, (6, 7))]
+
+    asyncio.run(scenario())
+
+
+def test_a_server_that_does_not_answer_a_reservation_in_time_is_skipped_not_fatal(etcd_server, etcd_prefix):
+    """A frozen attention server (SIGSTOP, a paused VM) times the manager's ReserveBlocks out: the placement
+    goes to another server (a walkthrough saw the DEADLINE_EXCEEDED fail every request of a compute instance)."""
+
+    class Frozen(LocalServers):
+        async def reserve(self, server_id: str, seq_id: str, n: int):  # noqa: ANN201
+            if server_id == "a":
+                raise DeadlineExceeded("Deadline Exceeded")
+            return await super().reserve(server_id, seq_id, n)
+
+    async def scenario():
+        servers = Frozen(make_servers({"a": 8, "b": 4}).rmanagers)
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            assert await m.place("s", 4, near="a") == [Grant("b", 4, (0, 1, 2, 3))]
+            a = (await m.cluster_state()).members[0]
+            assert (a.info.server_id, a.stale) == ("a", True)
 
     asyncio.run(scenario())
 
