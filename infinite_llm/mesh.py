@@ -61,6 +61,14 @@ RESTARTED_ROLES = ("manager", "compute", "router", "gateway")  # Deployments in 
 SERVICE_NICE = 0  # CPU niceness of every local service but the compute instances (module docstring)
 
 
+# Options the mesh passes its services only as its own defaults, with no `up` option of their own: a config
+# file's `serve: <role>:` value replaces them (the flag is left out). Every other option the mesh passes is
+# refused in the file (its `up` flag decides it).
+MESH_DEFAULTS = frozenset(
+    {"max_num_seqs", "max_num_batched_tokens", "max_waiting", "discovery_interval", "member_ttl", "shutdown_grace"}
+)
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """Sizes of the local mesh. ``kv_memory_bytes`` is per attention server (bytes)."""
@@ -341,6 +349,7 @@ class LocalMesh:
             metrics_port = free_port()
             cmd += ["--metrics-port", str(metrics_port)]
             metrics_address = f"{HOST}:{metrics_port}"
+        cmd = _without_flags(cmd, set(self.config.file_options.get(role, ())) & MESH_DEFAULTS)
         self._refuse_beaten_file_options(role, cmd)
         popen = _popen(cmd, log_path, role, self.config.service_nice)
         proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address, fixed_port)
@@ -500,6 +509,21 @@ class LocalMesh:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _without_flags(cmd: list[str], options: set[str]) -> list[str]:
+    """``cmd`` without the ``--flag value`` pairs of ``options`` (option names, with underscores)."""
+    flags = {"--" + o.replace("_", "-") for o in options}
+    out: list[str] = []
+    skip = False
+    for arg in cmd:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True  # and its value
+        else:
+            out.append(arg)
+    return out
 
 
 def _popen(cmd: list[str], log_path: Path, role: str, nice: int = 0, append: bool = False) -> subprocess.Popen:

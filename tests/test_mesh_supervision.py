@@ -265,6 +265,12 @@ def test_a_config_file_reaches_every_service_and_an_option_the_mesh_sets_is_refu
     m.spawn_compute("compute-0")
     (cmd,) = started
     assert cmd[cmd.index("--config") + 1] == path and cmd.index("--config") < cmd.index("serve")
+    assert "--max-waiting" in cmd  # the mesh's default, as the file does not set it
+    m.config = dataclasses.replace(m.config, file_options={"compute": ("max_num_seqs", "max_waiting")})
+    m.spawn_compute("compute-2")  # the mesh's own defaults, with no `up` option: the file's values replace them
+    assert "--max-num-seqs" not in started[1] and "--max-waiting" not in started[1]
+    assert "--max-num-batched-tokens" in started[1] and "--config" in started[1]
+    started.pop()
     m.config = dataclasses.replace(m.config, file_options={"compute": ("device", "drain_timeout", "prefix_caching")})
     beaten = r"sets serve\.compute\.device, serve\.compute\.prefix_caching itself on every compute it starts"
     with pytest.raises(InvalidRequest, match=beaten):
