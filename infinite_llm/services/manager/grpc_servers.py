@@ -19,6 +19,10 @@ from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.rpc.channels import aio_channel
 
 CALL_TIMEOUT_S = 10.0
+# A release's FreeSequence: a server that does not answer in this long (frozen: SIGSTOP, a paused VM) is
+# skipped, and what it holds of the sequence is reclaimed as an orphan from its later heartbeats (or dropped
+# when it is fenced); the compute instance waits on the release between steps (seconds).
+FREE_TIMEOUT_S = 2.0
 
 
 class GrpcBlockServers:
@@ -55,7 +59,8 @@ class GrpcBlockServers:
         await self._call(server_id, "CancelReservation", apb.CancelReservationRequest(reservation_id=reservation_id))
 
     async def free(self, server_id: str, seq_id: str) -> int:
-        return (await self._call(server_id, "FreeSequence", apb.FreeSequenceRequest(seq_id=seq_id))).num_freed
+        request = apb.FreeSequenceRequest(seq_id=seq_id)
+        return (await self._call(server_id, "FreeSequence", request, FREE_TIMEOUT_S)).num_freed
 
     async def truncate(self, server_id: str, seq_id: str, first_index: int) -> int:
         request = apb.FreeSequenceRequest(seq_id=seq_id, from_block_index=first_index)
@@ -81,8 +86,8 @@ class GrpcBlockServers:
         reply = await self._call(server_id, "AttachBlocks", request)
         return Reservation(reply.reservation_id, tuple(reply.block_ids)), list(reply.uncached_hashes)
 
-    async def _call(self, server_id: str, method: str, request):  # noqa: ANN001, ANN202
+    async def _call(self, server_id: str, method: str, request, timeout_s: float = CALL_TIMEOUT_S):  # noqa: ANN001, ANN202
         try:
-            return await getattr(self._stub(server_id), method)(request, timeout=CALL_TIMEOUT_S)
+            return await getattr(self._stub(server_id), method)(request, timeout=timeout_s)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None

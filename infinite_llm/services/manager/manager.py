@@ -11,6 +11,7 @@ a thin layer over :class:`GlobalManager`; the attention servers are reached thro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import (
     CapacityExhausted,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidRequest,
     NotFound,
@@ -512,13 +514,17 @@ class GlobalManager:
         raise self.ledger.too_contended(seq_id)
 
     async def _free_on_servers(self, seq_id: str, entries: LedgerEntries) -> int:
-        freed = 0
-        for server_id, _ in entries:
+        """Free ``seq_id`` on its servers, all at once; one that is down, does not know it, or does not answer
+        in time (frozen) is skipped: its blocks died with it, or come back as orphans from its heartbeats."""
+
+        async def free(server_id: str) -> int:
             try:
-                freed += await self._servers.free(server_id, seq_id)
-            except (Unavailable, NotFound) as e:
+                return await self._servers.free(server_id, seq_id)
+            except (Unavailable, NotFound, DeadlineExceeded) as e:
                 log.warning("free %s on %s failed, skipped: %s", seq_id, server_id, e)
-        return freed
+                return 0
+
+        return sum(await asyncio.gather(*(free(server_id) for server_id, _ in entries)))
 
     def _forget_placed(self, entries: LedgerEntries) -> None:
         for server_id, n in entries:
