@@ -19,10 +19,13 @@ from infinite_llm.pb.v1 import attention_server_pb2_grpc as agrpc
 from infinite_llm.rpc.channels import aio_channel
 
 CALL_TIMEOUT_S = 10.0
-# A release's FreeSequence: a server that does not answer in this long (frozen: SIGSTOP, a paused VM) is
-# skipped, and what it holds of the sequence is reclaimed as an orphan from its later heartbeats (or dropped
-# when it is fenced); the compute instance waits on the release between steps (seconds).
+# A placement's ReserveBlocks and a release's FreeSequence: a server that does not answer in this long
+# (frozen: SIGSTOP, a paused VM) is skipped: placement goes to another server (a reservation it makes late
+# expires after RESERVATION_TTL_S), and what it holds of a released sequence is reclaimed as an orphan from
+# its later heartbeats (or dropped when it is fenced). The compute instance's engine thread waits on both
+# (seconds).
 FREE_TIMEOUT_S = 2.0
+RESERVE_TIMEOUT_S = 2.0
 
 
 class GrpcBlockServers:
@@ -45,7 +48,8 @@ class GrpcBlockServers:
         return cached[1]
 
     async def reserve(self, server_id: str, seq_id: str, n: int) -> Reservation:
-        reply = await self._call(server_id, "ReserveBlocks", apb.ReserveBlocksRequest(seq_id=seq_id, num_blocks=n))
+        request = apb.ReserveBlocksRequest(seq_id=seq_id, num_blocks=n)
+        reply = await self._call(server_id, "ReserveBlocks", request, RESERVE_TIMEOUT_S)
         if reply.uncached_hashes and self.on_uncached is not None:
             self.on_uncached(server_id, list(reply.uncached_hashes))
         return Reservation(reply.reservation_id, tuple(reply.block_ids))
