@@ -187,12 +187,13 @@ class AttentionServicer(pb_grpc.AttentionServerServicer):
             return None
         following = asyncio.ensure_future(anext(stream, None))
         stopping = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait((following, stopping), return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if following.done():
-            return following.result()
-        following.cancel()
-        return None
+        try:
+            await asyncio.wait((following, stopping), return_when=asyncio.FIRST_COMPLETED)
+            return following.result() if following.done() else None
+        finally:  # also when the call is cancelled while it waits: no task is left pending
+            stopping.cancel()
+            if not following.done():
+                following.cancel()
 
     def begin_stop(self) -> None:
         """The server is stopping: every AttendStream ends at its current step's end (or now, when idle)."""
