@@ -117,6 +117,11 @@ class StepStream:
         except StopIteration:
             raise error_from_rpc(_EndedEarly()) from None
 
+    def sending(self) -> None:
+        """A layer of the current step is sent now: its reply is owed from here."""
+        self.sent_at = time.perf_counter()
+        self.layers_sent += 1
+
     def takes_more_steps(self) -> bool:
         """Whether the server advertised StepEnd (reads the initial metadata once: it arrived with the first
         reply, or, on a channel step, before the server served it)."""
@@ -227,8 +232,7 @@ class GrpcTransport:
         """Send the layer to every server first, then collect: the servers compute concurrently."""
         streams = self._steps[step_id]
         for server, x in inputs.items():
-            streams[server].sent_at = time.perf_counter()
-            streams[server].layers_sent += 1
+            streams[server].sending()
             streams[server].outbox.put(layer_message(layer, x))
         out = {}
         for server in inputs:

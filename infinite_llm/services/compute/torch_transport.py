@@ -107,7 +107,6 @@ class TorchTransport(GrpcTransport):
         self.backend = tc.backend_for(self.device)
         self.open_timeout_s = open_timeout_s
         self.fallbacks: dict[HolderId, tuple[str, str]] = {}  # server -> (its address, why gRPC carries tensors)
-        self._address_of = address_of
         self._channels: dict[HolderId, PairChannel] = {}
         self._step_channels: dict[int, dict[HolderId, PairChannel]] = {}
         self._opening: dict[HolderId, PairChannel] = {}
@@ -146,8 +145,7 @@ class TorchTransport(GrpcTransport):
             self.dtype = codec.dtype_name(next(iter(inputs.values())).query.dtype)
         posted: dict[HolderId, PostedLayer] = {}
         for server, x in inputs.items():
-            streams[server].sent_at = time.perf_counter()
-            streams[server].layers_sent += 1
+            streams[server].sending()
             channel = channels.get(server)
             if channel is None:
                 streams[server].outbox.put(layer_message(layer, x))
@@ -193,7 +191,7 @@ class TorchTransport(GrpcTransport):
     # ---- channels ----------------------------------------------------------------------------------------
     def _channel(self, server: HolderId) -> PairChannel | None:
         """The server's open channel, opened now if need be; ``None``: its tensors travel over gRPC."""
-        address = self._address_of(server)
+        address = self.address_of(server)
         fallback = self.fallbacks.get(server)
         if fallback is not None and fallback[0] == address:
             return None
