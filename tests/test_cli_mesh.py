@@ -269,3 +269,37 @@ def _status(manager: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*CLI, "status", "--manager", manager, "--insecure"], capture_output=True, text=True, timeout=120, env=env
     )
+
+
+def test_status_lists_refused_registrations_with_their_reason():
+    """A member the manager refused (another model or dtype) is in no other table: ``status`` prints it, with
+    the manager's reason, under its own title; a cluster without refusals prints no such table."""
+    from infinite_llm.pb.v1 import manager_pb2 as mpb
+    from infinite_llm.pb.v1 import manager_pb2_grpc as mgrpc
+    from tests.manager_stub import serving_manager
+
+    refusal = mpb.RefusedRegistration(
+        kind="attention", member_id="attn-7", address="10.0.0.7:50061", attempts=12, last_refused_ago_s=3.2,
+        reason="attention server 'attn-7' keeps KV as bfloat16; give every server the same model and dtype",
+    )  # fmt: skip
+
+    class Refusing(mgrpc.GlobalManagerServicer):
+        refused = [refusal]
+
+        def GetClusterState(self, request, context):  # noqa: N802, ANN001, ANN201
+            return mpb.ClusterStateResponse(manager_id="m1", refused=self.refused)
+
+    env = {**os.environ, "COLUMNS": "250"}
+    with serving_manager(Refusing()) as port:
+        listed = _status(f"127.0.0.1:{port}", env)
+        Refusing.refused = []
+        clean = _status(f"127.0.0.1:{port}", env)
+    assert listed.returncode == 0, listed.stderr
+    assert "refused registrations (not serving; fix and they join)" in listed.stdout
+    row = next(line for line in listed.stdout.splitlines() if "attn-7" in line)
+    assert row.split("│")[1:-1] == [
+        " attention server ", " attn-7 ", " 10.0.0.7:50061 ", "       12 ", " 3 s ago ",
+        " attention server 'attn-7' keeps KV as bfloat16; give every server the same model and dtype ",
+    ]  # fmt: skip
+    assert clean.returncode == 0, clean.stderr
+    assert "refused" not in clean.stdout

@@ -29,6 +29,7 @@ from infinite_llm.rpc.options import DEFAULT_GRACE_S, server_options
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, TlsConfig, resolve, take_process_health_port
 
 log = logging.getLogger(__name__)
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # grpc.health.v1.Health
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,14 @@ class RpcServer:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report ``""`` and every service served here SERVING or NOT_SERVING (a member the global manager
+        refuses to register: Kubernetes' readiness probes and health-checking clients pass it by). No effect
+        once stopping: a stopping server stays NOT_SERVING."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *(n for n in self.service_names if n != HEALTH_SERVICE)):
+            await self.health.set(name, status)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -97,7 +106,7 @@ async def start_server(
     for service in services:
         service.register(server)
     health = _add_health(server)
-    names = (*(s.name for s in services), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    names = (*(s.name for s in services), HEALTH_SERVICE)
     reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
     port = _bind(server, address, identity)
     await server.start()

@@ -31,8 +31,8 @@ def cluster_state(
 
 def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
     """The leading manager, servers (rBlocks used / free / capacity, cached prefix rBlocks, sequences; a server
-    being drained reads ``<id> (draining)``), compute instances (homes, batch, queue, tokens held, debt) and every
-    sequence's rBlocks per server."""
+    being drained reads ``<id> (draining)``), compute instances (homes, batch, queue, tokens held, debt), every
+    sequence's rBlocks per server, and the members the manager refused to register lately (if any)."""
     if state.manager_id:
         console.print(f"global manager: {state.manager_id} (leading for {state.leading_for_s:.0f} s)")
     servers = Table(title="attention servers")
@@ -68,6 +68,20 @@ def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
         placement = ", ".join(f"{s.server_id}: {s.num_blocks}" for s in e.shares)
         ledger.add_row(e.seq_id, e.instance_id or "-", str(n), placement)
     console.print(ledger)
+    if state.refused:
+        console.print(refused_table(state.refused))
+
+
+def refused_table(refused: list[mpb.RefusedRegistration]) -> Table:
+    """Members the manager refused to register lately (they keep retrying, NOT_SERVING): who, where, how
+    often, and why (what to fix: their model, dtype, block size or id)."""
+    table = Table(title="refused registrations (not serving; fix and they join)", title_style="bold red")
+    for col in ("kind", "id", "address", "attempts", "last", "reason"):
+        table.add_column(col, justify="right" if col in ("attempts", "last") else "left", overflow="fold")
+    for r in refused:
+        role = "attention server" if r.kind == "attention" else "compute instance" if r.kind == "compute" else r.kind
+        table.add_row(role, r.member_id, r.address, str(r.attempts), f"{r.last_refused_ago_s:.0f} s ago", r.reason)
+    return table
 
 
 def compute_table(instances: list[mpb.ComputeInstanceState], live_servers: set[str]) -> Table:

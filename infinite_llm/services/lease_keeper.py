@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 RETRY_S = 1.0  # wait before retrying an unreachable manager (seconds)
 MIN_HEARTBEAT_S = 0.5  # never heartbeat more often than this (seconds)
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # the call may not have arrived
+# The manager answered and will not take this member as it is (another block size or KV layout, an id held by
+# another identity, a malformed field, a certificate of another role): retrying soon cannot help, fixing can.
+REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+REFUSED_RETRY_MAX_S = 16.0  # the pause after a refusal doubles from RETRY_S up to this (seconds)
 WATCH_TICK_S = 0.1  # the stall watchdog's timer period (seconds)
 
 
@@ -31,6 +35,12 @@ class LeaseKeeper:
     """Runs ``register`` (returns the TTL in seconds), then ``heartbeat`` every TTL/3 until the manager answers
     NOT_FOUND, then registers again; both raise ``grpc.RpcError`` on failure (an unreachable manager's
     heartbeat is sent again, other failures register again).
+
+    A refused registration (``REFUSED``: the member's config must change, or the member it clashes with
+    leave) is logged as an error and tried again after a pause that doubles up to ``REFUSED_RETRY_MAX_S``;
+    ``refused`` holds the manager's reason until a registration succeeds, and ``on_refused`` (optional) is
+    awaited with the reason when the member becomes refused and with ``None`` when it is admitted again (an
+    attention server or compute instance reports NOT_SERVING meanwhile, so probes and clients pass it by).
 
     ``registered`` is set after the first successful registration. ``on_stalled`` is awaited before
     registering again when this process itself stalled (SIGSTOP, a long pause: its timers fired at least a
@@ -45,9 +55,13 @@ class LeaseKeeper:
         register: Callable[[], Awaitable[float]],
         heartbeat: Callable[[], Awaitable[None]],
         on_stalled: Callable[[], Awaitable[None]] | None = None,
+        on_refused: Callable[[str | None], Awaitable[None]] | None = None,
     ) -> None:
         self.name = name
         self._register, self._heartbeat, self._on_stalled = register, heartbeat, on_stalled
+        self._on_refused = on_refused
+        self.refused: str | None = None  # the manager's reason while it refuses this member's registration
+        self._refused_pause_s = RETRY_S  # the pause before the next attempt after a refusal (doubles)
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
         self.stalled_s = 0.0  # the longest stall not yet outlived by a good heartbeat (seconds)
@@ -75,6 +89,7 @@ class LeaseKeeper:
                     await self._fence_if_stalled()
                     sent = asyncio.get_running_loop().time()
                     ttl = await self._register()
+                    await self._admitted()
                     self.registered.set()
                     registered = True
                     self._interval_s = max(ttl / 3, MIN_HEARTBEAT_S)
@@ -87,11 +102,36 @@ class LeaseKeeper:
                 # An unreachable manager (a failover, a restart) has not forgotten this member: heartbeat
                 # again, and register only when a manager says it does not know it (NOT_FOUND).
                 registered = registered and e.code() in UNREACHABLE
-                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                    log.error("the manager refuses %s: %s; retrying", self.name, e.details())  # fix the config
+                if e.code() in REFUSED:
+                    await asyncio.sleep(await self._refusal(e.details() or e.code().name))
                 else:
                     log.warning("manager unreachable (%s); retrying", e.code().name)
-                await asyncio.sleep(RETRY_S)
+                    await asyncio.sleep(RETRY_S)
+
+    async def _refusal(self, reason: str) -> float:
+        """The manager refused this member: record it, tell ``on_refused`` (the first time, or a new reason),
+        and return the pause before the next attempt (seconds)."""
+        pause, self._refused_pause_s = self._refused_pause_s, min(self._refused_pause_s * 2, REFUSED_RETRY_MAX_S)
+        log.error("the manager refuses %s: %s; not serving, trying again in %.0f s", self.name, reason, pause)
+        if reason != self.refused:
+            self.refused = reason
+            await self._tell_refused(reason)
+        return pause
+
+    async def _admitted(self) -> None:
+        self._refused_pause_s = RETRY_S
+        if self.refused is not None:
+            self.refused = None
+            log.info("the manager admits %s now: serving", self.name)
+            await self._tell_refused(None)
+
+    async def _tell_refused(self, reason: str | None) -> None:
+        if self._on_refused is None:
+            return
+        try:
+            await self._on_refused(reason)
+        except Exception:  # a failing callback must not end the registration loop
+            log.exception("on_refused of %s failed", self.name)
 
     async def _watch(self) -> None:
         """Record every lateness of a ``WATCH_TICK_S`` timer of at least a heartbeat interval: a stall."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import grpc
 
+from infinite_llm.services import lease_keeper
 from infinite_llm.services.lease_keeper import LeaseKeeper
 
 TTL_S = 1.5  # heartbeat interval TTL/3 = 0.5 s
@@ -118,3 +119,54 @@ def test_a_refusal_that_is_not_unreachability_registers_again():
         raise Code(grpc.StatusCode.FAILED_PRECONDITION)
 
     assert run([ok, refused]) == ["register", "beat", "register"]
+
+
+def test_a_refused_registration_is_told_once_per_reason_and_retried_after_a_doubling_pause(monkeypatch):
+    """The manager refuses the first four registrations (the third for another reason), then admits: the
+    callback hears each new reason once and ``None`` at admission; the pauses double from ``RETRY_S`` up to
+    ``REFUSED_RETRY_MAX_S`` (lower bounds only: a loaded machine may pause longer)."""
+    monkeypatch.setattr(lease_keeper, "RETRY_S", 0.05)
+    monkeypatch.setattr(lease_keeper, "REFUSED_RETRY_MAX_S", 0.2)
+    reasons = ["other layout", "other layout", "id taken", "id taken"]
+    attempts: list[float] = []
+    told: list[str | None] = []
+
+    async def main() -> None:
+        admitted = asyncio.Event()
+
+        async def register() -> float:
+            attempts.append(time.monotonic())
+            if len(attempts) <= len(reasons):
+                raise Refused(reasons[len(attempts) - 1])
+            admitted.set()
+            return 30.0
+
+        async def heartbeat() -> None:
+            pass
+
+        async def on_refused(reason: str | None) -> None:
+            told.append(reason)
+
+        keeper = LeaseKeeper("member", register, heartbeat, on_refused=on_refused)
+        keeper.start()
+        try:
+            await asyncio.wait_for(admitted.wait(), 10)
+            assert keeper.refused is None
+        finally:
+            await keeper.stop()
+
+    asyncio.run(main())
+    assert told == ["other layout", "id taken", None]
+    pauses = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    assert len(pauses) == 4
+    for pause, least in zip(pauses, [0.05, 0.1, 0.2, 0.2], strict=True):
+        assert pause >= least - 0.01, pauses
+
+
+class Refused(Code):
+    def __init__(self, reason: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION)
+        self.reason = reason
+
+    def details(self) -> str:
+        return self.reason

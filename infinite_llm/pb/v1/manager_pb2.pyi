@@ -206,18 +206,38 @@ class KVShare(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterStateResponse(_message.Message):
-    __slots__ = ("servers", "ledger", "compute_instances", "manager_id", "leading_for_s")
+    __slots__ = ("servers", "ledger", "compute_instances", "manager_id", "leading_for_s", "refused")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     MANAGER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADING_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerState]
     ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     compute_instances: _containers.RepeatedCompositeFieldContainer[ComputeInstanceState]
     manager_id: str
     leading_for_s: float
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., compute_instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ..., manager_id: _Optional[str] = ..., leading_for_s: _Optional[float] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedRegistration]
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., compute_instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ..., manager_id: _Optional[str] = ..., leading_for_s: _Optional[float] = ..., refused: _Optional[_Iterable[_Union[RefusedRegistration, _Mapping]]] = ...) -> None: ...
+
+class RefusedRegistration(_message.Message):
+    __slots__ = ("kind", "member_id", "address", "reason", "attempts", "first_refused_ago_s", "last_refused_ago_s")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_REFUSED_AGO_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_REFUSED_AGO_S_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    member_id: str
+    address: str
+    reason: str
+    attempts: int
+    first_refused_ago_s: float
+    last_refused_ago_s: float
+    def __init__(self, kind: _Optional[str] = ..., member_id: _Optional[str] = ..., address: _Optional[str] = ..., reason: _Optional[str] = ..., attempts: _Optional[int] = ..., first_refused_ago_s: _Optional[float] = ..., last_refused_ago_s: _Optional[float] = ...) -> None: ...
 
 class RegisterComputeRequest(_message.Message):
     __slots__ = ("instance_id", "address", "home_server_ids", "node_name", "layout")

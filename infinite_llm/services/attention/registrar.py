@@ -31,7 +31,8 @@ class Registrar:
     the manager's orphan reconciliation. ``on_stalled`` (optional): awaited before registering again after
     this process stalled past a heartbeat (its lease likely lapsed); the server drops its rBlocks there
     (fenced: it rejoins empty). ``layout``: the KV it keeps, told to the manager at registration (``None``:
-    not told).
+    not told). ``on_refused`` (optional): awaited with the manager's reason when it refuses the registration
+    (another layout or block size, the id held by another server) and with ``None`` once it admits it.
     """
 
     def __init__(
@@ -45,12 +46,13 @@ class Registrar:
         occupancy: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None,
         on_stalled: Callable[[], Awaitable[None]] | None = None,
         layout: tensor_pb2.KVLayout | None = None,
+        on_refused: Callable[[str | None], Awaitable[None]] | None = None,
     ) -> None:
         self._stub = mgrpc.GlobalManagerStub(aio_channel(manager_address, timeout_s=5.0, extra_options=serving_only()))
         self.server_id, self.address, self.block_size, self.node_name = server_id, address, block_size, node_name
         self.layout = layout  # the KV kept here (the manager refuses a layout unlike its live members')
         self._stats, self._occupancy = stats, occupancy
-        self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat, on_stalled)
+        self._keeper = LeaseKeeper(server_id, self._register, self._heartbeat, on_stalled, on_refused)
         self.registered = self._keeper.registered
         self.draining = False  # sent with every heartbeat from :meth:`announce_draining` on
         self._beating = asyncio.Lock()  # one heartbeat at a time: an older one never lands after a newer one

@@ -202,6 +202,7 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
             occupancy=server.servicer.holder.occupancy,
             on_stalled=server.servicer.fence,
             layout=codec.kv_layout_message(server.servicer.holder.layout),
+            on_refused=lambda reason: server.rpc.set_serving(reason is None),  # NOT_SERVING while refused
         )
         registrar.start()
     try:

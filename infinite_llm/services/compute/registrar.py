@@ -10,7 +10,7 @@ when the lease expires.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -43,7 +43,9 @@ class ComputeLoadReport:
 
 
 class ComputeRegistrar:
-    """Keeps one compute instance registered; ``load()`` is read on every heartbeat."""
+    """Keeps one compute instance registered; ``load()`` is read on every heartbeat. ``on_refused``
+    (optional): awaited with the manager's reason when it refuses the registration (another KV layout, the id
+    held by another identity) and with ``None`` once it admits it."""
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class ComputeRegistrar:
         home_server_ids: tuple[str, ...] = (),
         node_name: str = "",
         layout: tensor_pb2.KVLayout | None = None,
+        on_refused: Callable[[str | None], Awaitable[None]] | None = None,
     ) -> None:
         self._stub = mgrpc.GlobalManagerStub(
             aio_channel(manager_address, timeout_s=CALL_TIMEOUT_S, extra_options=serving_only())
@@ -62,7 +65,7 @@ class ComputeRegistrar:
         self.home_server_ids, self.node_name = home_server_ids, node_name
         self.layout = layout  # the KV its model and dtype need (the manager refuses one unlike its members')
         self._load = load
-        self._keeper = LeaseKeeper(instance_id, self._register, self._heartbeat)
+        self._keeper = LeaseKeeper(instance_id, self._register, self._heartbeat, on_refused=on_refused)
         self.registered = self._keeper.registered
         self.migrations: MigrationExecutor | None = None  # receives the manager's migration orders
         self._refused: list[MigrationResult] = []  # orders refused for want of an executor, to report

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -164,7 +164,8 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     log.info("compute instance %s serving %s on %s:%d", config.instance_id, model_name, config.host, server.port)
     print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)
     layout = kv_layout(engine.model_config, config)
-    registrar = registrar_for(config, server.port, loop, kv.placement.held_seq_ids, codec.kv_layout_message(layout))
+    registrar = registrar_for(config, server.port, loop, kv.placement.held_seq_ids, codec.kv_layout_message(layout),
+                              on_refused=lambda reason: server.set_serving(reason is None))  # fmt: skip
     migrations = migration_executor(loop, kv, config) if config.migration_tokens_per_step > 0 else None
     registrar.migrations = migrations
     registrar.start()
@@ -212,10 +213,12 @@ def registrar_for(
     loop: EngineLoop,
     held: Callable[[], list[str]] | None = None,
     layout: tensor_pb2.KVLayout | None = None,
+    on_refused: Callable[[str | None], Awaitable[None]] | None = None,
 ) -> ComputeRegistrar:
     """The instance's membership: its advertised ``host:port``, homes, the KV it needs (``layout``), and its
     loop's load on heartbeats (``held()``: the sequences it holds rBlocks for, for the manager's orphan
-    reconciliation)."""
+    reconciliation). ``on_refused``: as for :class:`ComputeRegistrar` (the server reports NOT_SERVING while
+    the manager refuses it)."""
     seen = [0, 0.0]  # steps and step seconds already reported
 
     def load() -> ComputeLoadReport:
@@ -235,4 +238,5 @@ def registrar_for(
         config.home_server_ids,
         config.node_name,
         layout,
+        on_refused,
     )

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
@@ -55,6 +57,7 @@ from infinite_llm.services.manager.records import (
     check_id,
     merge_ledger,
 )
+from infinite_llm.services.manager.refusals import Refusals
 from infinite_llm.state.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -134,6 +137,7 @@ class GlobalManager:
         self.prefix = PrefixCaching(self, store)  # the cluster's prefix cache (MatchPrefix / PublishPrefix)
         self.drains.on_uncached = self.prefix.note_uncached  # evicted cached rBlocks leave the index
         self.migrations.prefix_index = self.prefix.index  # moved shared rBlocks: the index follows them
+        self.refusals = Refusals()  # registrations refused lately (another model, block size or identity)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:
@@ -230,16 +234,18 @@ class GlobalManager:
         """
         info = MemberInfo(server_id, address, capacity_blocks, block_size, kind, node_name, identity, kv_layout)
         check_address(address)
-        self.check_block_size(block_size, f"attention server {server_id!r}")
-        self.check_kv_layout(kv_layout, f"attention server {server_id!r} keeps", ("attention", server_id))
-        live = next((m.info for m in self.membership.members() if m.info.server_id == server_id), None)
-        if live is not None and (live.identity, live.address) != (identity, address):
-            raise PermissionDenied(
-                f"attention server {server_id!r} is registered from another identity or address; it may "
-                "register again when that registration's lease ends",
-                param="server_id",
-            )
+        with self._refusing("attention", server_id, address):
+            self.check_block_size(block_size, f"attention server {server_id!r}")
+            self.check_kv_layout(kv_layout, f"attention server {server_id!r} keeps", ("attention", server_id))
+            live = next((m.info for m in self.membership.members() if m.info.server_id == server_id), None)
+            if live is not None and (live.identity, live.address) != (identity, address):
+                raise PermissionDenied(
+                    f"attention server {server_id!r} is registered from another identity or address; it may "
+                    "register again when that registration's lease ends",
+                    param="server_id",
+                )
         registration = await self.membership.register(info, ttl_s or self.config.member_ttl_s)
+        self.refusals.forget("attention", server_id)
         if self.drains.announce(server_id, False):  # a server (re)started under this id is not stopping
             log.info("attention server %s registered again: no longer draining", server_id)
         return registration
@@ -273,6 +279,17 @@ class GlobalManager:
     def members(self) -> list[Member]:
         """Live members by server id (the watch keeps this current)."""
         return self.membership.members()
+
+    @contextmanager
+    def _refusing(self, kind: str, member_id: str, address: str) -> Iterator[None]:
+        """Records in ``refusals`` (for ``status``) a registration the body refuses: another block size, KV
+        layout or identity (``FailedPrecondition``, ``PermissionDenied``), then lets the error through."""
+        try:
+            yield
+        except (FailedPrecondition, PermissionDenied) as e:
+            self.refusals.note(kind, member_id, address, e.message)
+            log.warning("refused the registration of %s %s at %s: %s", kind, member_id, address, e.message)
+            raise
 
     def check_kv_layout(self, kv_layout: str, who: str, member: tuple[str, str]) -> None:
         """Raises ``FailedPrecondition`` when a live member other than ``member`` (``("attention", server_id)``
@@ -312,10 +329,13 @@ class GlobalManager:
                 member's.
             NotLeader: this manager does not lead.
         """
-        self.computes.check_owner(info.instance_id, info.identity)
-        who = f"compute instance {info.instance_id!r} needs"
-        self.check_kv_layout(info.kv_layout, who, ("compute", info.instance_id))
-        return await self.computes.register(info, ttl_s or self.config.member_ttl_s)
+        with self._refusing("compute", info.instance_id, info.address):
+            self.computes.check_owner(info.instance_id, info.identity)
+            who = f"compute instance {info.instance_id!r} needs"
+            self.check_kv_layout(info.kv_layout, who, ("compute", info.instance_id))
+        registration = await self.computes.register(info, ttl_s or self.config.member_ttl_s)
+        self.refusals.forget("compute", info.instance_id)
+        return registration
 
     async def heartbeat_compute(self, instance_id: str, load: ComputeLoad) -> int:
         """Keep the instance alive and record its load; returns its TTL in seconds.

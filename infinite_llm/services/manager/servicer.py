@@ -167,6 +167,17 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 instance_id=state.owners.get(seq_id, ""),
             )
         reply.compute_instances.extend(compute_state_to_proto(c) for c in state.computes)
+        now = time.monotonic()
+        for r in self.manager.refusals.recent():
+            reply.refused.add(
+                kind=r.kind,
+                member_id=r.member_id,
+                address=r.address,
+                reason=r.reason,
+                attempts=r.times,
+                first_refused_ago_s=now - r.first_at,
+                last_refused_ago_s=now - r.last_at,
+            )
         return reply
 
     # ---- compute instances -----------------------------------------------------------------------
