@@ -111,6 +111,22 @@ class KVCapacityExceeded(CapacityExhausted):
     reason = "KV_CAPACITY_EXCEEDED"
 
 
+class KVMemoryLost(CapacityExhausted):
+    """Attention servers left after the request was admitted, and the KV memory left can no longer hold its
+    tokens; it waited the scheduler's ``capacity_wait_s`` for memory to come back. The request itself is fine
+    and may succeed once the cluster has its memory again (a restarted or added server).
+
+    RESOURCE_EXHAUSTED over gRPC, so neither the SDK's retry policy (UNAVAILABLE only) nor the router (which
+    tries another compute instance after UNAVAILABLE or ``QueueFull``) sends it again at once: every compute
+    instance shares the same KV memory. Over HTTP a 503 ``server_error`` (the service lacks the memory now),
+    not the client's 400 ``context_length_exceeded`` of ``KVCapacityExceeded``.
+    """
+
+    http_status = 503
+    openai_type = "server_error"
+    reason = "KV_MEMORY_LOST"
+
+
 class FailedPrecondition(InfiniteLLMError):
     """The system is not in a state that allows the call (e.g. a member whose block size differs from the
     cluster's): retrying the same call cannot help until an operator changes something."""

@@ -29,6 +29,7 @@ from infinite_llm.core.errors import (
     InfiniteLLMError,
     InvalidRequest,
     KVCapacityExceeded,
+    KVMemoryLost,
     NotFound,
     Unavailable,
 )
@@ -143,8 +144,8 @@ class SchedulerConfig:
 
     ``capacity_wait_s``: a waiting sequence whose tokens so far need more rBlocks than the KV memory now
     holds in all (attention servers left the cluster after it was admitted) waits this long (seconds) for
-    the memory to come back (a restarting server), then fails with ``KVCapacityExceeded`` instead of waiting
-    for its deadline.
+    the memory to come back (a restarting server), then fails with ``KVMemoryLost`` (RESOURCE_EXHAUSTED / HTTP
+    503: the request may succeed later) instead of waiting for its deadline.
     """
 
     max_num_seqs: int = 64
@@ -289,12 +290,13 @@ class Scheduler:
             )
         return now - seq.outgrown_since
 
-    def _outgrown_error(self, seq: Sequence) -> KVCapacityExceeded:
+    def _outgrown_error(self, seq: Sequence) -> KVMemoryLost:
         bs, total = self.blocks.block_size, self.blocks.num_total_blocks
-        return KVCapacityExceeded(
+        return KVMemoryLost(
             f"the KV memory shrank to {total} rBlocks of {bs} tokens in all (attention servers left) and this "
             f"request's {seq.num_tokens} tokens need {-(-seq.num_tokens // bs)}; it waited "
-            f"{self.config.capacity_wait_s:.0f} s for memory to come back"
+            f"{self.config.capacity_wait_s:.0f} s for memory to come back: retry once the cluster has its "
+            "attention servers again"
         )  # no param: the cluster changed, not the request
 
     def _fail(self, seq: Sequence, error: InfiniteLLMError) -> Sequence:

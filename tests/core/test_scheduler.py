@@ -10,6 +10,7 @@ from infinite_llm.core.errors import (
     DeadlineExceeded,
     InvalidRequest,
     KVCapacityExceeded,
+    KVMemoryLost,
     Unavailable,
 )
 from infinite_llm.core.local_transport import LocalPlacement, LocalTransport, partition_id
@@ -433,7 +434,7 @@ class _ShrinkingPlacement(LocalPlacement):
 def test_a_sequence_the_shrunken_kv_memory_cannot_hold_fails_after_waiting_for_it_to_come_back():
     """Admitted when 8 rBlocks existed, preempted after 23 tokens (6 rBlocks), then the cluster holds 4 in
     all: the sequence waits ``capacity_wait_s`` for memory to come back, which resets the clock when it
-    does, then fails alone with KVCapacityExceeded (a clear error, not a wait until the client's deadline)."""
+    does, then fails alone with KVMemoryLost (a clear error, not a wait until the client's deadline)."""
     import time
 
     holders = {partition_id(0): RManager(8, LAYOUT)}
@@ -460,7 +461,7 @@ def test_a_sequence_the_shrunken_kv_memory_cannot_hold_fails_after_waiting_for_i
     assert sched.schedule().failed == []
     time.sleep(0.35)
     out = sched.schedule()
-    assert out.failed == [a] and a.finish_reason == "error" and isinstance(a.error, KVCapacityExceeded)
+    assert out.failed == [a] and a.finish_reason == "error" and isinstance(a.error, KVMemoryLost)
     assert "shrank to 4 rBlocks" in a.error.message and "need 6" in a.error.message
     assert [s.seq.seq_id for s in out.scheduled] == ["b"]  # the next in line goes on
     assert kv.num_free_blocks == 8 - 1

@@ -25,6 +25,7 @@ CASES = [
     (E.KVCapacityExceeded, "prompt"),
     (E.FailedPrecondition, None),
     (E.Unavailable, None),
+    (E.KVMemoryLost, None),
     (E.DeadlineExceeded, None),
     (E.Cancelled, None),
     (E.InfiniteLLMError, None),

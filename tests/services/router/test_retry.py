@@ -9,6 +9,7 @@ import asyncio
 import grpc
 import pytest
 
+from infinite_llm.client.errors import KVMemoryLost, error_from_rpc
 from infinite_llm.pb.v1 import compute_instance_pb2 as cpb
 from infinite_llm.pb.v1 import compute_instance_pb2_grpc as cgrpc
 from infinite_llm.pb.v1 import generate_pb2 as gpb
@@ -21,7 +22,7 @@ from infinite_llm.services.router.servicer import RouterServicer
 
 class Compute(cgrpc.ComputeInstanceServicer):
     """``mode``: "ok" answers two messages; "dead" fails UNAVAILABLE at once; "dies" after one message;
-    "slow" answers after a second. Remembers the request ids it was sent."""
+    "slow" answers after a second; "lost" fails with ``KVMemoryLost`` at once. Remembers the request ids it was sent."""
 
     def __init__(self, mode: str) -> None:
         self.mode, self.ids = mode, []
@@ -30,6 +31,8 @@ class Compute(cgrpc.ComputeInstanceServicer):
         self.ids.append(request.request_id)
         if self.mode == "dead":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "compute instance gone")
+        if self.mode == "lost":
+            raise KVMemoryLost("the KV memory shrank to 4 rBlocks")
         if self.mode == "slow":
             await asyncio.sleep(1.0)
         yield gpb.GenerateResponse(request_id=request.request_id, token_ids=[1], text="a")
@@ -125,6 +128,27 @@ def test_a_request_id_already_in_flight_is_refused():
                 await stub.Generate(_request("req-d"), timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert (await first).finish_reason == "length" and slow.ids == ["req-d"]
+        finally:
+            for s in servers:
+                await s.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_kv_memory_lost_is_not_retried_on_another_instance():
+    """Every compute instance places in the same KV memory: one whose sequence the shrunken memory cannot hold
+    any more answers ``KVMemoryLost``, which the caller gets as is (RESOURCE_EXHAUSTED, its reason and
+    message) instead of the request being sent to the next instance."""
+
+    async def scenario():
+        computes, servers, stub = await _mesh("lost", "lost")
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(_request("req-l"), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            error = error_from_rpc(info.value)
+            assert type(error) is KVMemoryLost and error.message == "the KV memory shrank to 4 rBlocks"
+            assert sorted(len(c.ids) for c in computes) == [0, 1]  # sent once, to one instance
         finally:
             for s in servers:
                 await s.stop(0)
