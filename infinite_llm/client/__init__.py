@@ -9,13 +9,36 @@ Example::
         for chunk in client.stream("Tell me a story", max_tokens=64):
             print(chunk.text, end="", flush=True)
 
-Failed calls raise typed errors (``InvalidRequest``, ``NotFound``, ``CapacityExhausted``, ``Unavailable``,
-``DeadlineExceeded``), all subclasses of ``InfiniteLLMError``.
+Failed calls raise typed errors, all subclasses of ``InfiniteLLMError`` and all importable from here (the
+same classes as ``infinite_llm.client.errors``): ``InvalidRequest`` (``ContextLengthExceeded``,
+``MessageTooLarge``), ``NotFound`` (``ModelNotFound``), ``CapacityExhausted`` (``QueueFull``,
+``KVCapacityExceeded``, ``KVMemoryLost``), ``FailedPrecondition``, ``PermissionDenied``, ``Unauthenticated``,
+``Unavailable``, ``DeadlineExceeded``, ``Cancelled``.
+
+Sampling defaults are the engine's (``SamplingParams``): ``temperature`` 1 (sampling, as vLLM and OpenAI);
+pass ``temperature=0`` for greedy output, which ``infinite-llm generate`` gives by default.
 """
 
-from infinite_llm.client.errors import Cancelled, DeadlineExceeded, error_from_rpc
+from infinite_llm.client.errors import (
+    Cancelled,
+    CapacityExhausted,
+    ContextLengthExceeded,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InfiniteLLMError,
+    InvalidRequest,
+    KVCapacityExceeded,
+    KVMemoryLost,
+    MessageTooLarge,
+    ModelNotFound,
+    NotFound,
+    PermissionDenied,
+    QueueFull,
+    Unauthenticated,
+    Unavailable,
+    error_from_rpc,
+)
 from infinite_llm.client.sdk import AsyncClient, Client, Completion, CompletionChunk
-from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound, Unavailable
 
 __all__ = [
     "AsyncClient",
@@ -24,10 +47,19 @@ __all__ = [
     "Client",
     "Completion",
     "CompletionChunk",
+    "ContextLengthExceeded",
     "DeadlineExceeded",
+    "FailedPrecondition",
     "InfiniteLLMError",
     "InvalidRequest",
+    "KVCapacityExceeded",
+    "KVMemoryLost",
+    "MessageTooLarge",
+    "ModelNotFound",
     "NotFound",
+    "PermissionDenied",
+    "QueueFull",
+    "Unauthenticated",
     "Unavailable",
     "error_from_rpc",
 ]

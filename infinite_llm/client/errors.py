@@ -20,7 +20,9 @@ from infinite_llm.core.errors import (
     MessageTooLarge,
     ModelNotFound,
     NotFound,
+    PermissionDenied,
     QueueFull,
+    Unauthenticated,
     Unavailable,
 )
 from infinite_llm.rpc.errors import error_from_rpc
@@ -38,7 +40,9 @@ __all__ = [
     "MessageTooLarge",
     "ModelNotFound",
     "NotFound",
+    "PermissionDenied",
     "QueueFull",
+    "Unauthenticated",
     "Unavailable",
     "error_from_rpc",
 ]
