@@ -353,7 +353,9 @@ async def chat_chunks(
         elif mode == "required":  # no call read from the answer: parsed whole, as a unary reply is
             message, reason = chat_message(p, parser.text if parser is not None else "", chunk.finish_reason)
             calls = [{"index": n, **c} for n, c in enumerate(message.tool_calls or [])]
-            yield chunk_of(ChatStreamChoice(index=i, delta=Delta(content=message.content, tool_calls=calls or None)))
+            if message.content or calls:  # an answer cut before its first call's name has neither
+                delta = Delta(content=message.content, tool_calls=calls or None)
+                yield chunk_of(ChatStreamChoice(index=i, delta=delta))
         yield chunk_of(ChatStreamChoice(index=i, delta=Delta(), finish_reason=reason))
     if include_usage:
         total = sum(completion_tokens.values())

@@ -14,6 +14,7 @@ Source: OpenAI's function-calling guide; vLLM ``entrypoints/openai/serving_chat.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -167,27 +168,33 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
 
 
 def _hermes_call(body: str) -> dict | None:
-    """The call a Hermes ``<tool_call>`` tag's JSON body writes, in OpenAI's shape; None if it is not one."""
+    """The call a Hermes ``<tool_call>`` tag's JSON body writes, in OpenAI's shape; None if it is not one.
+    Its ``arguments`` are the model's own text of the value when the name comes first (what
+    :class:`HermesCallStream` streams), else the value re-serialized."""
     try:
         call = json.loads(body)
-        return tool_call(call["name"], json.dumps(call.get("arguments", {})))
+        name, arguments = call["name"], json.dumps(call.get("arguments", {}))
     except (json.JSONDecodeError, KeyError, TypeError):
         return None
+    head = _HERMES_HEAD.match(body)
+    if head is not None:
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = body[head.end() : json.JSONDecoder().raw_decode(body, head.end())[1]]
+    return tool_call(name, arguments)
 
 
 _ITEM_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
+_ITEM_CLOSE = re.compile(r"\s*\}")  # an item's closing brace, after its parameters
 
 
 def _required_calls(text: str) -> tuple[str | None, list[dict]]:
-    """The calls of a ``required`` answer, a JSON array of ``{"name", "parameters"}``: each whole item, then
-    an item cut short with its name and the parameters' text so far. Text that is not such an array (a
-    grammar would not let it be) stays content."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        items = None
-    if isinstance(items, list):
-        return None, [tool_call(i["name"], json.dumps(i["parameters"])) for i in items]
+    """The calls of a ``required`` answer, a JSON array of ``{"name", "parameters"}``: each item's name with
+    the model's own text of its parameters (what :class:`RequiredCallStream` streams, so a streamed answer's
+    pieces join into the same ``arguments``), then an item cut short with its name and the parameters' text
+    so far. An answer cut before any item's name is whole (``[{"na``) is neither calls nor content: the
+    grammar's JSON is never the message's text. Items whose name does not come first (a grammar that
+    reordered them) are read as whole JSON; text that is not an array of calls (a grammar would not let it
+    be) stays content."""
     start = text.find("[")
     if start < 0 or text[:start].strip():
         return text, []
@@ -195,16 +202,30 @@ def _required_calls(text: str) -> tuple[str | None, list[dict]]:
     while True:
         while at < len(text) and text[at] in " \t\r\n,":
             at += 1
-        try:
-            item, at = decoder.raw_decode(text, at)
-            calls.append(tool_call(item["name"], json.dumps(item["parameters"])))
-            continue
-        except (json.JSONDecodeError, KeyError, TypeError):
-            head = _ITEM_HEAD.match(text, at)
-            if head is not None:
-                calls.append(tool_call(json.loads(f'"{head.group(1)}"'), text[head.end() :]))
+        head = _ITEM_HEAD.match(text, at)
+        if head is None:
             break
-    return (None, calls) if calls else (text, [])
+        name = json.loads(f'"{head.group(1)}"')
+        try:
+            _, end = decoder.raw_decode(text, head.end())
+        except json.JSONDecodeError:  # cut short: the parameters' text so far
+            calls.append(tool_call(name, text[head.end() :]))
+            return None, calls
+        calls.append(tool_call(name, text[head.end() : end]))
+        close = _ITEM_CLOSE.match(text, end)
+        if close is None:
+            break
+        at = close.end()
+    if calls:
+        return None, calls
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:  # cut before any item's name was whole: no call yet (and no content)
+        return None, []
+    try:  # items whose name does not come first
+        return None, [tool_call(i["name"], json.dumps(i["parameters"])) for i in items]
+    except (KeyError, TypeError):
+        return text, []
 
 
 def tool_call(name: str, arguments: str) -> dict:

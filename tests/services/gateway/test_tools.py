@@ -180,8 +180,14 @@ def test_calls_cut_short_by_max_tokens_are_still_calls_with_the_arguments_so_far
         ("get_weather", "{"),
     ]
     assert named_args('[{"name": "get_time", "parameters": {}},') == [("get_time", "{}")]
-    assert parse_calls(required, '[{"na') == ('[{"na', [])  # not even a name yet: no call to speak of
+    for cut in ("[", "[{", '[{"na', '[ {"name": "get_', '[{"name": "get_time"'):  # no name whole yet: no call
+        assert parse_calls(required, cut) == (None, []), cut  # and the grammar's JSON is not content either
     assert parse_calls(required, "Sorry, no.") == ("Sorry, no.", [])
+    # the model's own text of the parameters, as a stream sends it (not re-serialized by json.dumps)
+    assert named_args('[{"name":"get_weather","parameters":{"city":"Paris"}}]') == [("get_weather", '{"city":"Paris"}')]
+    assert named_args('[{"parameters": {"city": "Rome"}, "name": "get_weather"}]') == [  # reordered: read whole
+        ("get_weather", '{"city": "Rome"}')
+    ]
 
 
 REQUIRED_ANSWERS = [
@@ -190,6 +196,7 @@ REQUIRED_ANSWERS = [
     '[{"name": "get_time", "parameters": 12}, {"name": "get_weather", "parameters": ["a", {"b": "}"}]}]',
     '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Os',  # cut
     '[{"name": "get_time", "parameters": {}}, {"na',  # cut inside the second item's head
+    '[{"name":"get_weather","parameters":{"city":"Paris","n":[1,2]}}]',  # compact: json.dumps would add spaces
 ]
 
 
@@ -198,8 +205,8 @@ REQUIRED_ANSWERS = [
 def test_a_streamed_required_answer_yields_the_calls_of_the_whole_answer(answer, seed):
     """Fed in random pieces (1 to 6 characters, as tokens come), the deltas join into the calls the whole
     answer parses to: one head per call (index, id, name, empty arguments) before its arguments' pieces,
-    and arguments that are the model's own text of the parameters, no more (equal JSON to the whole parse's,
-    and the same text when cut)."""
+    and arguments that are the model's own text of the parameters, no more: the same text as the whole
+    parse's."""
     import random
 
     from infinite_llm.services.gateway.tools import RequiredCallStream
@@ -220,11 +227,7 @@ def test_a_streamed_required_answer_yields_the_calls_of_the_whole_answer(answer,
     assert sorted(calls) == list(range(len(calls))) and stream.calls == len(calls)
     _, whole = parse_calls(tool_plan([WEATHER, TIME], "required", CHATML), answer)
     assert [c["name"] for c in calls.values()] == [c["function"]["name"] for c in whole]
-    for got, want in zip(calls.values(), whole, strict=True):
-        try:
-            assert json.loads(got["arguments"]) == json.loads(want["function"]["arguments"])
-        except json.JSONDecodeError:  # the cut call: the text so far
-            assert got["arguments"] == want["function"]["arguments"]
+    assert [c["arguments"] for c in calls.values()] == [c["function"]["arguments"] for c in whole]
 
 
 def test_a_required_answer_that_is_not_calls_streams_nothing():
@@ -242,6 +245,7 @@ HERMES_ANSWERS = [
     "I think <tool_ not a tag, and < tool_call> neither.",
     'Before <tool_call>{"arguments": {}, "name": "get_time"}</tool_call> after',  # unreadable: dropped
     '<tool_call>{"name": "get_time", "arguments": 7}</tool_call>',
+    '<tool_call>{"name":"get_weather","arguments":{"city":"Paris","n":[1,2]}}</tool_call>',  # compact
 ]
 
 
@@ -270,8 +274,8 @@ def test_a_streamed_hermes_answer_yields_the_content_and_calls_of_the_whole_answ
     assert content.strip() == (want_content or "")
     assert "<tool_call>" not in content and "</tool_call>" not in content
     assert all("tool_call" not in c["arguments"] for c in calls.values())
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want_calls
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [  # the same text, not only equal JSON
+        (c["function"]["name"], c["function"]["arguments"]) for c in want_calls
     ]
 
 
@@ -310,6 +314,35 @@ def test_a_streamed_auto_answer_sends_its_text_as_content_and_its_calls_as_tool_
     plain = stream(["No tools <tool", " needed.  "])
     assert "".join(c.delta.content or "" for c in plain) == "No tools <tool needed.  "
     assert plain[-1].finish_reason == "stop" and not any(c.delta.tool_calls for c in plain)
+
+
+@pytest.mark.parametrize("pieces", [["["], ["[", '{"', "name"], ["[", '{"name": "get_', "time"]], ids=str)
+def test_a_required_answer_cut_before_its_first_name_streams_and_answers_no_content(pieces):
+    """``tool_choice: required`` with a small ``max_tokens``: the answer (the grammar's JSON array) is cut
+    before a call's name is whole. Streamed: the role, then only the finish (``length``), no content delta
+    and no call; unary: ``content`` null and no ``tool_calls`` (the walkthrough saw ``"content": "["``)."""
+    import asyncio
+
+    from infinite_llm.client.sdk import CompletionChunk
+    from infinite_llm.services.gateway.handlers import chat_chunks, chat_message
+    from infinite_llm.services.gateway.params import Plan
+
+    plan = Plan("chatcmpl-1", "m", [[1, 2]], 1, tools=tool_plan([WEATHER, TIME], "required", CHATML))
+
+    async def events():
+        for n, piece in enumerate(pieces):
+            yield 0, CompletionChunk("r", [n], piece, finish_reason="length" if n == len(pieces) - 1 else None)
+
+    async def collect() -> list:
+        return [c async for c in chat_chunks(plan, events(), False, None)]
+
+    choices = [c.choices[0] for c in asyncio.run(collect())]
+    assert [(c.delta.role, c.delta.content, c.delta.tool_calls, c.finish_reason) for c in choices] == [
+        ("assistant", "", None, None),
+        (None, None, None, "length"),
+    ]
+    message, reason = chat_message(plan, "".join(pieces), "length")
+    assert (message.content, message.tool_calls, reason) == (None, None, "length")
 
 
 def test_a_long_streamed_argument_is_decoded_once_it_can_be_whole_not_after_every_piece(monkeypatch):
