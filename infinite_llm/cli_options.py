@@ -107,12 +107,17 @@ def device_option(text: str) -> str:
 
 def kv_memory_option(text: str) -> int:
     """``--kv-memory`` in bytes (``64MiB``, ``2GiB``, a plain number)."""
+    return size_option(text, "--kv-memory")
+
+
+def size_option(text: str, flag: str) -> int:
+    """A size flag's value in bytes (``64MiB``, ``2GiB``, a plain number); BadParameter naming ``flag``."""
     from infinite_llm.rpc.sizes import parse_size
 
     try:
         return parse_size(text)
     except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--kv-memory") from None
+        raise typer.BadParameter(str(e), param_hint=flag) from None
 
 
 def dtype_name(text: str) -> str:

@@ -29,6 +29,7 @@ from infinite_llm.cli_options import (
     device_option,
     dtype_name,
     kv_memory_option,
+    size_option,
     split_ids,
     torch_dtype,
     transport_option,
@@ -410,6 +411,13 @@ def serve_gateway(
             help="The most choices (prompts x n) one request may ask for, each a request in the mesh; more is a 400.",
         ),
     ] = 128,
+    max_request_bytes: Annotated[
+        str,
+        typer.Option(
+            help="The largest request body taken, e.g. 16MiB; a larger one is a 413 before it is parsed (0: no limit).",
+            rich_help_panel="Security",
+        ),
+    ] = "16MiB",
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
 ) -> None:
@@ -428,6 +436,7 @@ def serve_gateway(
             ssl_keyfile=ssl_keyfile,
             shutdown_grace_s=shutdown_grace,
             max_choices_per_request=max_choices_per_request,
+            max_request_bytes=size_option(max_request_bytes, "--max-request-bytes"),
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -25,6 +25,7 @@ from infinite_llm.observability.metrics import LATENCY_BUCKETS
 from infinite_llm.observability.tracing import REQUEST_ID_ATTRIBUTE
 from infinite_llm.services.gateway import handlers
 from infinite_llm.services.gateway.backend import RouterBackend, ServedModel
+from infinite_llm.services.gateway.body_limit import MAX_REQUEST_BYTES, BodyLimit
 from infinite_llm.services.gateway.errors import (
     AuthenticationFailed,
     MissingApiKey,
@@ -216,12 +217,14 @@ def create_app(
     api_key: str | None = None,
     special_tokens_in_messages: bool = False,
     max_choices_per_request: int = MAX_CHOICES_PER_REQUEST,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The gateway over ``backend``; ``api_key`` (None: no check) guards every ``/v1`` route.
 
     ``special_tokens_in_messages``: chat message content that spells a special token (``<|im_end|>``)
     becomes that control token, as before; off by default, when content is always plain text.
-    ``max_choices_per_request``: the most choices (prompts x ``n``) one request may ask for (else 400)."""
+    ``max_choices_per_request``: the most choices (prompts x ``n``) one request may ask for (else 400).
+    ``max_request_bytes``: the largest request body taken (else 413, :mod:`.body_limit`; 0: no limit)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -230,6 +233,7 @@ def create_app(
 
     app = FastAPI(title="Infinite-LLM OpenAI-compatible gateway", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # innermost: behind the key check, metrics, ids
     install_request_id(app)
     install_api_key_check(app, api_key)
     install_metrics(app)  # outside the key check: its 401s are counted too

@@ -16,6 +16,7 @@ from infinite_llm.rpc.interceptors.api_key import check_api_key
 from infinite_llm.rpc.options import SHUTDOWN_GRACE_S
 from infinite_llm.services.gateway.app import create_app
 from infinite_llm.services.gateway.backend import RouterBackend
+from infinite_llm.services.gateway.body_limit import MAX_REQUEST_BYTES
 from infinite_llm.services.gateway.params import MAX_CHOICES_PER_REQUEST
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class GatewayConfig:
     chat message content as control tokens (only for trusted callers: a user could forge a turn); off by
     default, when content is plain text as OpenAI treats it. ``max_choices_per_request``: the most choices
     (prompts x ``n``) one request may ask for, each a request in the mesh; more is a 400.
+    ``max_request_bytes``: the largest request body taken, more is a 413 (0: no limit).
     """
 
     router: str = "127.0.0.1:50051"
@@ -44,6 +46,7 @@ class GatewayConfig:
     ssl_keyfile: str | None = None
     shutdown_grace_s: float = SHUTDOWN_GRACE_S  # after SIGTERM, open streams get this long (seconds)
     max_choices_per_request: int = MAX_CHOICES_PER_REQUEST
+    max_request_bytes: int = MAX_REQUEST_BYTES  # the largest request body taken (else 413; 0: no limit)
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -55,6 +58,8 @@ class GatewayConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_choices_per_request < 1:
             raise ValueError(f"--max-choices-per-request must be >= 1, got {self.max_choices_per_request}")
+        if self.max_request_bytes < 0:
+            raise ValueError(f"--max-request-bytes must be >= 0 (0: no limit), got {self.max_request_bytes}")
         if self.api_key == "":
             object.__setattr__(self, "api_key", None)
         if self.api_key is not None:
@@ -72,6 +77,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         api_key=config.api_key,
         special_tokens_in_messages=config.special_tokens_in_messages,
         max_choices_per_request=config.max_choices_per_request,
+        max_request_bytes=config.max_request_bytes,
     )
 
 
