@@ -190,24 +190,17 @@ class LocalMesh:
         c = self.config
         try:
             self._setup_tls()
+            self._refuse_beaten_file_options_of_every_role()
             tls = EtcdTls.from_etcd_tls_dir(self.etcd_tls_dir) if self.etcd_tls_dir else None  # the manager only
             self.etcd = start_etcd(data_dir=self.log_dir / "etcd", tls=tls)
             self._start_reaper(self.etcd.process.pid)
             etcd_tls = ["--etcd-tls-dir", str(self.etcd_tls_dir)] if self.etcd_tls_dir else []
-            manager_args = [
-                "--etcd",
-                self.etcd.endpoint.removeprefix("http://"),
-                *etcd_tls,
-                "--member-ttl",
-                str(c.member_ttl_s),
-                "--block-size",
-                str(c.block_size),
-            ]
-            standby = ["--standby"] if c.standby_managers else []
             for i in range(1 + c.standby_managers):  # manager-0 first: it leads (a standby leads when none does)
                 port = c.manager_port if i == 0 else 0
-                self._spawn("manager", f"manager-{i}", port, [*manager_args, "--manager-id", f"manager-{i}", *standby])
-                self._wait_healthy(self._by_role("manager")[-1:], check=self.leads if i == 0 and standby else None)
+                args = self._manager_args(f"manager-{i}", self.etcd.endpoint.removeprefix("http://"), etcd_tls)
+                self._spawn("manager", f"manager-{i}", port, args)
+                leads = self.leads if i == 0 and c.standby_managers else None
+                self._wait_healthy(self._by_role("manager")[-1:], check=leads)
             for i in range(c.attention_servers):
                 self.spawn_attention(f"attn-{i}")
             for j in range(c.compute_instances):
@@ -217,8 +210,7 @@ class LocalMesh:
             self._wait_healthy(self.compute_instances())
             self.wait_compute_registered(c.compute_instances)
             router = self.spawn_router("router", c.router_port)
-            gateway_args = ["--router", router.address, *self._model_args()]
-            gateway = self._spawn("gateway", "gateway", c.gateway_port, gateway_args)
+            gateway = self._spawn("gateway", "gateway", c.gateway_port, self._gateway_args(router.address))
             self._wait_healthy([p for p in self.procs if p is not gateway])
             self._wait_healthy([gateway], check=http_health_check)
             self.wait_registered(c.attention_servers)
@@ -228,63 +220,71 @@ class LocalMesh:
             raise
         return self
 
+    def _manager_args(self, name: str, etcd: str, etcd_tls: list[str]) -> list[str]:
+        c = self.config
+        standby = ["--standby"] if c.standby_managers else []
+        return ["--etcd", etcd, *etcd_tls, "--member-ttl", str(c.member_ttl_s), "--block-size", str(c.block_size),
+                "--manager-id", name, *standby]  # fmt: skip
+
+    def _gateway_args(self, router_address: str) -> list[str]:
+        return ["--router", router_address, *self._model_args()]
+
+    def _router_args(self) -> list[str]:
+        args = ["--manager", self.manager_address, "--discovery-interval", str(self.config.discovery_interval_s)]
+        return [*args, *self._model_args()]
+
     def spawn_router(self, name: str, port: int = 0, shutdown_grace_s: float | None = None) -> Proc:
         """Start a router (``port`` 0: a free one) that follows the manager's compute instances; the first is the
         mesh's (:attr:`router_address`), tests start more (``shutdown_grace_s``: its own ``--shutdown-grace``)."""
-        args = ["--manager", self.manager_address, "--discovery-interval", str(self.config.discovery_interval_s)]
-        return self._spawn("router", name, port, [*args, *self._model_args()], shutdown_grace_s)
+        return self._spawn("router", name, port, self._router_args(), shutdown_grace_s)
 
     def spawn_attention(self, name: str, kv_memory_bytes: int | None = None) -> Proc:
         """Start one more attention server (also used by tests that add or kill servers) with
         ``kv_memory_bytes`` of KV memory (default: the mesh's ``kv_memory_bytes``)."""
+        return self._spawn("attention", name, 0, self._attention_args(name, kv_memory_bytes))
+
+    def _attention_args(self, name: str, kv_memory_bytes: int | None = None) -> list[str]:
         c = self.config
-        return self._spawn(
-            "attention",
+        return [
+            "--server-id",
             name,
-            0,
-            [
-                "--server-id",
-                name,
-                "--kv-memory",
-                str(c.kv_memory_bytes if kv_memory_bytes is None else kv_memory_bytes),
-                "--block-size",
-                str(c.block_size),
-                "--transport",
-                c.transport,
-                "--manager",
-                self.manager_address,
-                *self._model_args(),
-            ],
-        )
+            "--kv-memory",
+            str(c.kv_memory_bytes if kv_memory_bytes is None else kv_memory_bytes),
+            "--block-size",
+            str(c.block_size),
+            "--transport",
+            c.transport,
+            "--manager",
+            self.manager_address,
+            *self._model_args(),
+        ]
 
     def spawn_compute(self, name: str, homes: list[str] | None = None, port: int = 0) -> Proc:
         """Start one more compute instance (``port`` 0: a free one) with ``homes`` (attention server ids);
         it registers with the manager and the router follows it (also used by tests that add, kill and
         restart instances)."""
+        return self._spawn("compute", name, port, self._compute_args(homes))
+
+    def _compute_args(self, homes: list[str] | None = None) -> list[str]:
         c = self.config
         home_args = ["--home", ",".join(homes)] if homes else []
-        return self._spawn(
-            "compute",
-            name,
-            port,
-            [
-                "--manager",
-                self.manager_address,
-                "--block-size",
-                str(c.block_size),
-                "--transport",
-                c.transport,
-                "--max-num-batched-tokens",
-                str(c.max_num_batched_tokens),
-                "--max-num-seqs",
-                str(c.max_num_seqs),
-                "--max-waiting",
-                str(c.max_waiting),
-                "--prefix-caching" if c.prefix_caching else "--no-prefix-caching",
-                *home_args,
-                *self._model_args(),
-            ],
-        )
+        return [
+            "--manager",
+            self.manager_address,
+            "--block-size",
+            str(c.block_size),
+            "--transport",
+            c.transport,
+            "--max-num-batched-tokens",
+            str(c.max_num_batched_tokens),
+            "--max-num-seqs",
+            str(c.max_num_seqs),
+            "--max-waiting",
+            str(c.max_waiting),
+            "--prefix-caching" if c.prefix_caching else "--no-prefix-caching",
+            *home_args,
+            *self._model_args(),
+        ]
 
     def respawn(self, proc: Proc) -> Proc:
         """Run ``proc``'s command again (same name, port and flags; its log goes on) once it exited, as a
@@ -333,6 +333,17 @@ class LocalMesh:
         service binds; another: the caller's, never moved."""
         fixed_port, port = port != 0, port or free_port()
         log_path = self.log_dir / f"{name}.log"
+        cmd, metrics_address = self._command(role, name, port, args, shutdown_grace_s)
+        self._refuse_beaten_file_options({role: self._beaten_file_options(role, cmd)})
+        popen = _popen(cmd, log_path, role, self.config.service_nice)
+        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address, fixed_port)
+        self.procs.append(proc)
+        return proc
+
+    def _command(
+        self, role: str, name: str, port: int, args: list[str], shutdown_grace_s: float | None = None
+    ) -> tuple[list[str], str]:
+        """The command line of one service of ``role`` on ``port``, and the address of its ``/metrics``."""
         config_file = ["--config", self.config.config_file] if self.config.config_file else []
         cmd = [sys.executable, "-m", "infinite_llm.cli", *config_file, "serve", role]
         cmd += ["--host", HOST, "--port", str(port), *args]
@@ -349,23 +360,45 @@ class LocalMesh:
             metrics_port = free_port()
             cmd += ["--metrics-port", str(metrics_port)]
             metrics_address = f"{HOST}:{metrics_port}"
-        cmd = _without_flags(cmd, set(self.config.file_options.get(role, ())) & MESH_DEFAULTS)
-        self._refuse_beaten_file_options(role, cmd)
-        popen = _popen(cmd, log_path, role, self.config.service_nice)
-        proc = Proc(role, name, f"{HOST}:{port}", popen, log_path, metrics_address, fixed_port)
-        self.procs.append(proc)
-        return proc
+        return _without_flags(cmd, set(self.config.file_options.get(role, ())) & MESH_DEFAULTS), metrics_address
 
-    def _refuse_beaten_file_options(self, role: str, cmd: list[str]) -> None:
-        """Raise ``InvalidRequest`` when the config file sets an option of ``serve <role>`` that ``cmd`` passes
-        as a flag (the flag would win without a word): name it and where to set it instead."""
+    def _beaten_file_options(self, role: str, cmd: list[str]) -> list[str]:
+        """The options of ``serve <role>`` the config file sets and ``cmd`` passes as flags (the flag would win
+        without a word)."""
         names = [a[2:].replace("-", "_") for a in cmd[cmd.index("serve") :] if a.startswith("--")]
         flags = {n for name in names for n in (name, name.removeprefix("no_"))}  # --no-prefix-caching too
-        beaten = sorted(set(self.config.file_options.get(role, ())) & flags)
+        return sorted(set(self.config.file_options.get(role, ())) & flags)
+
+    def _refuse_beaten_file_options_of_every_role(self) -> None:
+        """Before anything starts: every role's options the file sets and `up` passes, in one error (a role
+        at a time would take a start and a failure per role to learn them all)."""
+        placeholder = "127.0.0.1:1"  # addresses not known yet: only the flags' names count here
+        commands = {
+            "manager": self._manager_args(
+                "manager-0", placeholder, ["--etcd-tls-dir", "-"] if self.etcd_tls_dir else []
+            ),
+            "attention": self._attention_args("attn-0"),
+            "compute": self._compute_args(["attn-0"]),
+            "router": self._router_args(),
+            "gateway": self._gateway_args(placeholder),
+        }
+        self._refuse_beaten_file_options(
+            {
+                role: self._beaten_file_options(role, self._command(role, role, 1, args)[0])
+                for role, args in commands.items()
+            }
+        )
+
+    def _refuse_beaten_file_options(self, beaten: dict[str, list[str]]) -> None:
+        """Raise ``InvalidRequest`` naming every option of ``beaten`` (role -> the file's keys `up` sets itself)
+        and where to set it instead."""
+        beaten = {role: keys for role, keys in beaten.items() if keys}
         if beaten:
-            keys = ", ".join(f"serve.{role}.{k}" for k in beaten)
+            keys = ", ".join(f"serve.{role}.{k}" for role, ks in beaten.items() for k in ks)
+            names = list(beaten)
+            roles = "every " + (names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}")
             raise InvalidRequest(
-                f"config file {self.config.config_file}: `up` sets {keys} itself on every {role} it starts, so "
+                f"config file {self.config.config_file}: `up` sets {keys} itself on {roles} it starts, so "
                 "the file's value would be ignored; remove it, and set it with an `up` option (flag or `up:` "
                 "section) where there is one, e.g. --dtype, --device, --kv-memory, --block-size, --transport"
             )

@@ -279,6 +279,38 @@ def test_a_config_file_reaches_every_service_and_an_option_the_mesh_sets_is_refu
     shutil.rmtree(m.log_dir, ignore_errors=True)
 
 
+def test_every_roles_beaten_config_file_options_are_named_in_one_error_before_anything_starts(monkeypatch, tmp_path):
+    """A file that sets options `up` passes itself in several roles' sections is refused in one error naming
+    them all, before etcd or any service starts (role by role, each would take a start and a failure)."""
+    import infinite_llm.mesh as mesh_module
+    from infinite_llm.core.errors import InvalidRequest
+
+    def no_etcd(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("etcd started")
+
+    def no_popen(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a service started")
+
+    monkeypatch.setattr(mesh_module, "start_etcd", no_etcd)
+    monkeypatch.setattr(mesh_module, "_popen", no_popen)
+    options = {
+        "manager": ("block_size", "leader_ttl"),  # leader_ttl: `up` does not pass it
+        "attention": ("kv_memory", "drain_timeout"),
+        "compute": ("device", "max_num_seqs"),  # max_num_seqs: a mesh default the file may replace
+        "gateway": ("router",),
+        "router": ("discovery_interval",),  # a mesh default too
+    }
+    m = LocalMesh(MeshConfig(insecure=True, device="cpu", config_file=str(tmp_path / "c.yaml"), file_options=options))
+    with pytest.raises(InvalidRequest) as e:
+        m.start()
+    assert e.value.message.startswith(
+        f"config file {tmp_path / 'c.yaml'}: `up` sets serve.manager.block_size, serve.attention.kv_memory, "
+        "serve.compute.device, serve.gateway.router itself on every manager, attention, compute and gateway it "
+        "starts, so the file's value would be ignored"
+    ), e.value.message
+    assert m.procs == [] and m.etcd is None
+
+
 def test_up_hands_its_config_file_and_the_files_serve_options_to_the_mesh(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
