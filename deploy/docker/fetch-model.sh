@@ -1,6 +1,6 @@
 #!/bin/sh
-# fetch-model: the init step of every pod that loads the model (attention servers, compute instances,
-# router). Afterwards $MODEL exists and its tokenizer/config cache is ready in $INFINITE_LLM_MODEL_CACHE,
+# fetch-model: the init step of every pod that loads the model or its tokenizer (attention servers,
+# compute instances, router, gateway). Afterwards $MODEL exists and its tokenizer/config cache is ready in $INFINITE_LLM_MODEL_CACHE,
 # so the service starts without touching the network.
 #
 #   $MODEL already there (a mounted volume, a model baked into the image, or an earlier run on the same

@@ -19,47 +19,8 @@ Sampling defaults are the engine's (``SamplingParams``): ``temperature`` 1 (samp
 pass ``temperature=0`` for greedy output, which ``infinite-llm generate`` gives by default.
 """
 
-from infinite_llm.client.errors import (
-    Cancelled,
-    CapacityExhausted,
-    ContextLengthExceeded,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InfiniteLLMError,
-    InvalidRequest,
-    KVCapacityExceeded,
-    KVMemoryLost,
-    MessageTooLarge,
-    ModelNotFound,
-    NotFound,
-    PermissionDenied,
-    QueueFull,
-    Unauthenticated,
-    Unavailable,
-    error_from_rpc,
-)
+from infinite_llm.client import errors
+from infinite_llm.client.errors import *  # noqa: F403 (every typed error, as errors.__all__ lists them)
 from infinite_llm.client.sdk import AsyncClient, Client, Completion, CompletionChunk
 
-__all__ = [
-    "AsyncClient",
-    "Cancelled",
-    "CapacityExhausted",
-    "Client",
-    "Completion",
-    "CompletionChunk",
-    "ContextLengthExceeded",
-    "DeadlineExceeded",
-    "FailedPrecondition",
-    "InfiniteLLMError",
-    "InvalidRequest",
-    "KVCapacityExceeded",
-    "KVMemoryLost",
-    "MessageTooLarge",
-    "ModelNotFound",
-    "NotFound",
-    "PermissionDenied",
-    "QueueFull",
-    "Unauthenticated",
-    "Unavailable",
-    "error_from_rpc",
-]
+__all__ = ["AsyncClient", "Client", "Completion", "CompletionChunk", *errors.__all__]  # noqa: PLE0604

@@ -18,10 +18,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("dev", "gpu", "production")
-# A render of the gpu overlay with the attention-host-memory component, as its kustomization describes.
-GPU_HOST_MEMORY = "gpu+attention-host-memory"
-RENDERS = (*OVERLAYS, GPU_HOST_MEMORY)
+OVERLAYS = ("dev", "gpu", "gpu-host-memory", "production")
+RENDERS = OVERLAYS
 
 
 def wheel_kubectl() -> Path | None:
@@ -65,29 +63,15 @@ def kustomize(kubectl: Path, directory: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
-def render_dir(name: str, tmp: Path) -> Path:
-    """The directory to render for ``name`` (a combination is written as a kustomization under ``tmp``)."""
-    if name != GPU_HOST_MEMORY:
-        return K8S / "overlays" / name
-    tmp.mkdir(parents=True, exist_ok=True)
-    rel = os.path.relpath(K8S, tmp)  # kustomize refuses absolute paths to other kustomizations
-    (tmp / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources: [{rel}/overlays/gpu]\ncomponents: [{rel}/components/attention-host-memory]\n"
-    )
-    return tmp
-
-
 @pytest.fixture(scope="session")
 def kubectl() -> Path:
     return find_kubectl()
 
 
 @pytest.fixture(scope="session")
-def rendered(kubectl, tmp_path_factory) -> dict[str, list[dict]]:
-    """Render name -> its documents, for every overlay (and the gpu + host-memory combination)."""
-    tmp = tmp_path_factory.mktemp("kustomize")
-    return {name: kustomize(kubectl, render_dir(name, tmp / "combo")) for name in RENDERS}
+def rendered(kubectl) -> dict[str, list[dict]]:
+    """Render name -> its documents, for every overlay."""
+    return {name: kustomize(kubectl, K8S / "overlays" / name) for name in RENDERS}
 
 
 @pytest.fixture(scope="session")

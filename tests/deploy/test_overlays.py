@@ -58,7 +58,7 @@ def test_gpu_gives_compute_and_attention_a_gpu_each(rendered):
 
 
 def test_gpu_with_host_memory_keeps_attention_off_the_gpus(rendered):
-    docs = rendered["gpu+attention-host-memory"]
+    docs = rendered["gpu-host-memory"]
     attention = one(docs, "StatefulSet", "attention")
     assert gpus(attention) is None and "tolerations" not in attention["spec"]["template"]["spec"]
     assert settings(docs)["ATTENTION_DEVICE"] == "cpu"

@@ -189,7 +189,7 @@ def test_network_policies_let_only_mesh_components_in(rendered, render):
             ["manager"],
             [(["attention", "compute", "manager", "router"], ["grpc"]), ("anyone", ["metrics"])],
         ),
-        "etcd": (["etcd"], [(["etcd", "manager"], ["grpc"]), (["etcd"], ["peer"])]),
+        "etcd": (["etcd"], [(["etcd", "manager"], ["grpc"]), (["etcd"], ["peer"]), ("anyone", ["metrics"])]),
     }
 
 
@@ -243,3 +243,28 @@ def test_attention_memory_fits_its_kv_budget(rendered, render):
     else:
         assert data["ATTENTION_DEVICE"] == "cuda" and limits["nvidia.com/gpu"] == "1"
         assert kv <= 40 * 10**9  # fits a 40 GB GPU
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_the_manager_attention_servers_and_compute_instances_share_the_block_size(rendered, render):
+    """The manager refuses a member whose block size is not its own (``check_block_size``): all three get
+    ``BLOCK_SIZE`` from the config, so an overlay that changes it keeps the mesh able to register."""
+    docs = rendered[render]
+    for kind, name in (("Deployment", "manager"), ("StatefulSet", "attention"), ("Deployment", "compute")):
+        assert arg_value(main_container(one(docs, kind, name)), "--block-size") == "$(BLOCK_SIZE)", name
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_no_service_declares_cleartext_http2_on_an_mtls_port(rendered, render):
+    """Every gRPC port is mutual TLS: ``appProtocol: kubernetes.io/h2c`` (HTTP/2 without TLS) would make a
+    service mesh or a Gateway API implementation speak cleartext to it."""
+    for svc in by_kind(rendered[render], "Service"):
+        protocols = [p.get("appProtocol") for p in svc["spec"]["ports"]]
+        assert "kubernetes.io/h2c" not in protocols, svc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("render", ["dev", "gpu", "gpu-host-memory"])
+def test_the_tls_bootstrap_job_goes_away_after_it_finishes_so_a_later_apply_can_change_it(rendered, render):
+    """A Job's pod template is immutable: kept, an image or version change fails the next apply."""
+    job = one(rendered[render], "Job", "tls-bootstrap")
+    assert 0 < job["spec"]["ttlSecondsAfterFinished"] <= 3600

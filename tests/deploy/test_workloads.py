@@ -32,13 +32,13 @@ INSTANCE = {
     "dev": "infinite-llm-dev",
     "gpu": "infinite-llm-gpu",
     "production": "infinite-llm",
-    "gpu+attention-host-memory": "infinite-llm-gpu",
+    "gpu-host-memory": "infinite-llm-gpu",
 }
 IMAGE = {
     "dev": "infinite-llm:dev",
     "gpu": "infinite-llm:0.1.0-cuda",
     "production": "infinite-llm:0.1.0",
-    "gpu+attention-host-memory": "infinite-llm:0.1.0-cuda",
+    "gpu-host-memory": "infinite-llm:0.1.0-cuda",
 }
 # Seconds a service takes to stop after SIGTERM: its own drain (--shutdown-grace: gRPC's grace, or uvicorn's
 # for the gateway); an attention server first waits for its rBlocks to migrate away (--drain-timeout).
