@@ -268,3 +268,14 @@ def test_the_tls_bootstrap_job_goes_away_after_it_finishes_so_a_later_apply_can_
     """A Job's pod template is immutable: kept, an image or version change fails the next apply."""
     job = one(rendered[render], "Job", "tls-bootstrap")
     assert 0 < job["spec"]["ttlSecondsAfterFinished"] <= 3600
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_etcds_backend_quota_is_below_its_volume(rendered, render):
+    """A database that grows hits etcd's quota (a NOSPACE alarm: writes refused, reads served) before the
+    volume fills (a crash)."""
+    sts = one(rendered[render], "StatefulSet", "etcd")
+    env = {e["name"]: e.get("value") for e in main_container(sts)["env"]}
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    volume = parse_quantity(claim["spec"]["resources"]["requests"]["storage"])
+    assert 0 < int(env["ETCD_QUOTA_BACKEND_BYTES"]) <= 0.8 * float(volume)
