@@ -152,6 +152,13 @@ class ManagerMetrics:
         self.placements = Counter(P + "placements", "Successful Place calls", registry=registry)
         self.placed_rblocks = Counter(P + "placed_rblocks", "rBlocks placed", registry=registry)
         self.placement_failures = Counter(P + "placement_failures", "Place calls refused (capacity)", registry=registry)
+        # a member that keeps retrying: another model, dtype or block size, or an id held by another identity
+        self.registrations_refused = Counter(
+            P + "registrations_refused",
+            "Registrations refused (FAILED_PRECONDITION, PERMISSION_DENIED) by member kind",
+            ["kind"],
+            registry=registry,
+        )
         self.releases = Counter(P + "releases", "Sequences released", registry=registry)
         self.migrations = Counter(P + "migrations", "rBlock migrations between servers", registry=registry)
         self.migrated_rblocks = Counter(P + "migrated_rblocks", "rBlocks moved by migrations", registry=registry)

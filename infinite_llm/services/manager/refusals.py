@@ -45,6 +45,7 @@ class Refusals:
     ) -> None:
         self.ttl_s, self.max_entries, self._clock = ttl_s, max_entries, clock
         self._by_member: dict[tuple[str, str], Refusal] = {}
+        self.on_note: Callable[[str], None] | None = None  # told the kind of every refused attempt (metrics)
 
     def note(self, kind: str, member_id: str, address: str, reason: str) -> None:
         """Record a refused attempt (a repeat of the same member counts, and takes the new address and reason)."""
@@ -57,6 +58,8 @@ class Refusals:
             self._by_member[key] = replace(old, address=address, reason=reason, last_at=now, times=old.times + 1)
         while len(self._by_member) > self.max_entries:  # dicts keep insertion order: the first is the stalest
             del self._by_member[next(iter(self._by_member))]
+        if self.on_note is not None:
+            self.on_note(kind)
 
     def forget(self, kind: str, member_id: str) -> None:
         """The member registered: it is refused no more."""

@@ -28,6 +28,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         self.metrics = metrics or ManagerMetrics(CollectorRegistry())
         self.metrics.kv_cache_usage.set_function(self.kv_cache_usage)
         self.metrics.leader.set_function(lambda: float(manager.is_leader))
+        manager.refusals.on_note = lambda kind: self.metrics.registrations_refused.labels(kind=kind).inc()
         self.reports = reports
         self._last_usage = 0.0
 

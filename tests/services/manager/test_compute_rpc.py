@@ -24,7 +24,7 @@ from .helpers import make_servers, running_manager
 @contextlib.asynccontextmanager
 async def served(manager):
     """``manager`` behind a GlobalManager gRPC server on a free loopback port; yields a stub (its ``address``
-    attribute: the server's ``host:port``)."""
+    attribute: the server's ``host:port``; ``servicer``: the servicer, with its metrics)."""
     servicer = GlobalManagerServicer(manager)
     service = Service.of(mpb, "GlobalManager", mgrpc.add_GlobalManagerServicer_to_server, servicer)
     server = await start_server([service], "127.0.0.1:0")
@@ -32,6 +32,7 @@ async def served(manager):
     try:
         stub = mgrpc.GlobalManagerStub(channel)
         stub.address = f"127.0.0.1:{server.port}"
+        stub.servicer = servicer
         yield stub
     finally:
         await channel.close()

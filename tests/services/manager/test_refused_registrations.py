@@ -75,6 +75,11 @@ def test_refused_registrations_are_listed_with_their_reason_until_the_member_reg
             assert 0 <= b.last_refused_ago_s <= b.first_refused_ago_s < 10
             assert listed["attention", "c"].reason.endswith("this cluster's block_size is 4")
             assert listed["attention", "c"].attempts == 1
+            counter = stub.servicer.metrics.registrations_refused
+            totals = {
+                s.labels["kind"]: s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")
+            }
+            assert totals == {"attention": 3, "compute": 1}  # the manager's registrations_refused_total{kind}
 
             await stub.Deregister(mpb.DeregisterRequest(server_id="a"))  # the clash leaves: b and c0 may join
             await stub.Register(
