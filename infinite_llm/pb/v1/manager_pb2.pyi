@@ -32,7 +32,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "free_blocks", "used_blocks", "num_sequences", "sequences", "reserved", "reports_sequences", "draining")
+    __slots__ = ("server_id", "free_blocks", "used_blocks", "num_sequences", "sequences", "reserved", "reports_sequences", "draining", "address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class HeartbeatRequest(_message.Message):
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     REPORTS_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     free_blocks: int
     used_blocks: int
@@ -49,7 +50,8 @@ class HeartbeatRequest(_message.Message):
     reserved: _containers.RepeatedCompositeFieldContainer[SeqBlocks]
     reports_sequences: bool
     draining: bool
-    def __init__(self, server_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reserved: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reports_sequences: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+    address: str
+    def __init__(self, server_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reserved: _Optional[_Iterable[_Union[SeqBlocks, _Mapping]]] = ..., reports_sequences: _Optional[bool] = ..., draining: _Optional[bool] = ..., address: _Optional[str] = ...) -> None: ...
 
 class SeqBlocks(_message.Message):
     __slots__ = ("seq_id", "num_blocks")
@@ -64,10 +66,12 @@ class HeartbeatResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("server_id",)
+    __slots__ = ("server_id", "address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
-    def __init__(self, server_id: _Optional[str] = ...) -> None: ...
+    address: str
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ()

@@ -66,8 +66,11 @@ class Registrar:
     async def deregister(self) -> None:
         """Leave the cluster now (after :meth:`stop`): the manager stops listing this server at once instead of
         when its lease lapses. Never raises: a manager that cannot be told lets the lease lapse."""
+        if not self.registered.is_set():  # never admitted: the id may be another live server's
+            log.info("%s never registered: nothing to deregister", self.server_id)
+            return
         try:
-            await self._stub.Deregister(mpb.DeregisterRequest(server_id=self.server_id))
+            await self._stub.Deregister(mpb.DeregisterRequest(server_id=self.server_id, address=self.address))
             log.info("deregistered %s", self.server_id)
         except grpc.RpcError as e:
             log.info("could not deregister %s (%s); its lease lapses instead", self.server_id, e.code().name)
@@ -112,6 +115,7 @@ class Registrar:
         s = self._stats()
         request = mpb.HeartbeatRequest(
             server_id=self.server_id,
+            address=self.address,
             free_blocks=s.num_free,
             used_blocks=s.num_used,
             num_sequences=s.num_sequences,

@@ -207,7 +207,9 @@ async def serve(config: AttentionServerConfig, stop: asyncio.Event | None = None
         registrar.start()
     try:
         await stop.wait()
-        if registrar is not None and config.drain_timeout_s > 0:
+        # A server the manager never admitted (refused: another layout, or its id is a live server's) holds
+        # nothing placed and must not tell the manager anything under that id.
+        if registrar is not None and registrar.registered.is_set() and config.drain_timeout_s > 0:
             await drain(server.servicer.holder.stats, registrar, config.drain_timeout_s, now)
     finally:
         if registrar is not None:

@@ -65,7 +65,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         return mpb.RegisterResponse(lease_ttl_s=reg.ttl_s)
 
     async def Heartbeat(self, request: mpb.HeartbeatRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        self._check_registrant(request.server_id, context)
+        self._check_registrant(request.server_id, request.address, context)
         await self.manager.heartbeat(
             request.server_id, request.free_blocks, float(request.num_sequences), draining=request.draining
         )
@@ -78,17 +78,27 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         return mpb.HeartbeatResponse()
 
     async def Deregister(self, request: mpb.DeregisterRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        self._check_registrant(request.server_id, context)
+        self._check_registrant(request.server_id, request.address, context)
         await self.manager.deregister(request.server_id)
         return mpb.DeregisterResponse()
 
-    def _check_registrant(self, server_id: str, context: grpc.aio.ServicerContext) -> None:
-        """A live server's heartbeats (its capacity and the sequences it reports) come only from the
-        certificate subject that registered it. Raises PermissionDenied otherwise."""
+    def _check_registrant(self, server_id: str, address: str, context: grpc.aio.ServicerContext) -> None:
+        """A live server's heartbeats (its capacity, the sequences it reports, a drain) and its deregistration
+        come only from the certificate subject that registered it, and, when the caller tells its address
+        ('' = an older server: not checked), from the address it registered with: every attention server
+        shares one certificate, and a second process under a live id (refused at Register) must not drain
+        or remove the live one when it stops. Raises PermissionDenied otherwise."""
         identity = peer_of(context).identity
-        if any(m.info.server_id == server_id and m.info.identity != identity for m in self.manager.members()):
+        live = next((m.info for m in self.manager.members() if m.info.server_id == server_id), None)
+        if live is not None and live.identity != identity:
             raise PermissionDenied(
                 f"attention server {server_id!r} is registered by another identity", param="server_id"
+            )
+        if live is not None and address and live.address != address:
+            raise PermissionDenied(
+                f"attention server {server_id!r} is registered at {live.address}, not {address}: another process "
+                "under the same id",
+                param="server_id",
             )
 
     async def Place(self, request: mpb.PlaceRequest, context: grpc.aio.ServicerContext) -> mpb.PlaceResponse:  # noqa: N802

@@ -187,3 +187,62 @@ def test_a_compute_instance_is_told_when_it_is_refused_and_when_it_is_admitted(e
                 await registrar.stop()
 
     asyncio.run(scenario())
+
+
+def test_heartbeats_and_deregistration_from_another_address_than_the_registrations_are_refused(
+    etcd_server, etcd_prefix
+):
+    """Every attention server shares one certificate: a second process under a live id (refused at Register)
+    must not drain or remove the live server. Heartbeat and Deregister naming another address are
+    PERMISSION_DENIED; an older server that names none is not checked."""
+
+    async def scenario():
+        async with running_manager(etcd_server, etcd_prefix, make_servers({}), register=False) as m, served(m) as stub:
+            await stub.Register(mpb.RegisterRequest(server_id="a", address="127.0.0.1:50061", capacity_blocks=4,
+                                                    block_size=LAYOUT.block_size))  # fmt: skip
+            for call in (
+                stub.Heartbeat(
+                    mpb.HeartbeatRequest(server_id="a", free_blocks=4, draining=True, address="127.0.0.1:9")
+                ),
+                stub.Deregister(mpb.DeregisterRequest(server_id="a", address="127.0.0.1:9")),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "registered at 127.0.0.1:50061, not 127.0.0.1:9" in e.value.details()
+            assert [x.info.server_id for x in m.members()] == ["a"] and m.drains.draining == frozenset()
+            await stub.Heartbeat(mpb.HeartbeatRequest(server_id="a", free_blocks=4))  # an older server: no address
+            await stub.Heartbeat(mpb.HeartbeatRequest(server_id="a", free_blocks=4, address="127.0.0.1:50061"))
+            await stub.Deregister(mpb.DeregisterRequest(server_id="a", address="127.0.0.1:50061"))
+            assert m.members() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_duplicate_attention_server_that_stops_leaves_the_live_one_registered(
+    etcd_server, etcd_prefix, monkeypatch
+):
+    """A second `serve attention` under a live server's id: refused (PERMISSION_DENIED, NOT_SERVING); when it
+    stops (SIGTERM's path: drain, deregister) the live server stays registered and is not draining (a
+    walkthrough saw the duplicate's stop drain and remove the live one)."""
+    monkeypatch.setattr(lease_keeper, "RETRY_S", 0.1)
+
+    async def scenario():
+        async with running_manager(etcd_server, etcd_prefix, make_servers({}), register=False) as m, served(m) as stub:
+            await m.register("s", "127.0.0.1:50061", 4, LAYOUT.block_size, kv_layout="")  # the live server "s"
+            port = _free_port()
+            config = AttentionServerConfig(server_id="s", kv_memory_bytes=1 << 16, num_layers=1, num_kv_heads=1,
+                                           head_dim=2, block_size=LAYOUT.block_size, port=port, grace_s=0,
+                                           manager_address=stub.address, drain_timeout_s=5)  # fmt: skip
+            stop = asyncio.Event()
+            task = asyncio.create_task(serve(config, stop))
+            try:
+                await wait_for(lambda: any(r.member_id == "s" for r in m.refusals.recent()), 10)
+                assert "registered from another identity or address" in m.refusals.recent()[0].reason
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 10)
+            assert [(x.info.server_id, x.info.address) for x in m.members()] == [("s", "127.0.0.1:50061")]
+            assert m.drains.draining == frozenset()
+
+    asyncio.run(scenario())
