@@ -26,6 +26,10 @@ CALL_TIMEOUT_S = 10.0
 # (seconds).
 FREE_TIMEOUT_S = 2.0
 RESERVE_TIMEOUT_S = 2.0
+# A MatchPrefix's AttachBlocks, likewise: a frozen server's cached prefix is skipped (the sequence computes
+# that part itself) instead of holding the request's admission for CALL_TIMEOUT_S; what it attaches late is
+# reclaimed as an orphan from its heartbeats, or dropped when it is fenced.
+ATTACH_TIMEOUT_S = 2.0
 
 
 class GrpcBlockServers:
@@ -74,7 +78,7 @@ class GrpcBlockServers:
         self, server_id: str, seq_id: str, first_index: int, hashes: list[bytes]
     ) -> tuple[list[int], list[bytes]]:
         request = apb.AttachBlocksRequest(seq_id=seq_id, first_block_index=first_index, block_hashes=hashes)
-        reply = await self._call(server_id, "AttachBlocks", request)
+        reply = await self._call(server_id, "AttachBlocks", request, ATTACH_TIMEOUT_S)
         return list(reply.block_ids), list(reply.uncached_hashes)
 
     async def cache(self, server_id: str, seq_id: str, block_indices: list[int], hashes: list[bytes]) -> list[bytes]:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from infinite_llm.core.errors import InfiniteLLMError, InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.errors import DeadlineExceeded, InfiniteLLMError, InvalidRequest, NotFound, Unavailable
 from infinite_llm.core.prefix_cache import HASH_BYTES, BlockHash
 from infinite_llm.services.manager.ledger import LedgerRecord
 from infinite_llm.services.manager.prefix_index import MAX_TXN_OPS, PrefixIndex
@@ -188,7 +188,7 @@ class PrefixCaching:
                 await self._m.block_servers.free(server_id, seq_id)
                 del grants[next((i for i, g in enumerate(grants) if g.server_id == server_id), len(grants)) :]
                 break
-            except (Unavailable, NotFound) as e:
+            except (Unavailable, NotFound, DeadlineExceeded) as e:  # gone, or frozen: the prefix ends before it
                 log.warning("attach of %d cached rBlocks on %s for %s failed: %s", n, server_id, seq_id[:64], e)
                 break
             self.note_uncached(server_id, uncached)

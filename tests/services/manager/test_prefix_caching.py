@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from infinite_llm.core.errors import InvalidRequest, PermissionDenied, Unavailable
+from infinite_llm.core.errors import DeadlineExceeded, InvalidRequest, PermissionDenied, Unavailable
 from infinite_llm.core.prefix_cache import block_hashes
 from infinite_llm.services.manager import Grant
 from infinite_llm.services.manager.computes import ComputeInfo
@@ -83,6 +83,30 @@ def test_an_evicted_block_is_a_miss_and_leaves_the_index(etcd_server, etcd_prefi
             assert (m.prefix.index.server_of(H[1]), a.pool.num_cached_free) == ("a", 2)
             keys = {kv.key for kv in (await m.prefix.index._store.get_prefix(PREFIX_INDEX_PREFIX)).items}
             assert keys == {PREFIX_INDEX_PREFIX + H[1].hex(), PREFIX_INDEX_PREFIX + H[2].hex()}
+
+    asyncio.run(scenario())
+
+
+def test_a_frozen_servers_cached_prefix_is_a_miss_not_an_error(etcd_server, etcd_prefix):
+    """An attach that times out (the server holding the prefix is frozen: SIGSTOP) ends the match there,
+    as a server that is gone does: the request computes that prefix itself instead of failing its MatchPrefix
+    (a walkthrough saw the frozen server's 10 s attach delay a recompute by as much)."""
+
+    async def scenario():
+        servers = make_servers({"a": 6, "b": 4})
+        async with running_manager(etcd_server, etcd_prefix, servers) as m:
+            await _write_and_publish(m)  # H[:3] cached on a
+            attach = servers.attach
+
+            async def frozen(server_id, *args):  # noqa: ANN001, ANN002, ANN202
+                if server_id == "a":
+                    raise DeadlineExceeded("Deadline Exceeded")
+                return await attach(server_id, *args)
+
+            servers.attach = frozen
+            assert await m.prefix.match("r", H) == []
+            assert "r" not in (await m.cluster_state()).ledger  # the planned entry was taken back
+            assert await m.place("r", 2) == [Grant("b", 2, (0, 1))]  # placed as any new sequence (most free)
 
     asyncio.run(scenario())
 
