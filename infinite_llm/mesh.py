@@ -172,7 +172,10 @@ class LocalMesh:
         if self.config.insecure:
             self.tls_dir = self.etcd_tls_dir = None
             return
-        self.tls_dir = Path(self.config.tls_dir) if self.config.tls_dir else write_tls_dir(self.log_dir / "tls")
+        # up signs every role's certificate now and never again: the CA's key is not kept
+        self.tls_dir = (
+            Path(self.config.tls_dir) if self.config.tls_dir else write_tls_dir(self.log_dir / "tls", keep_ca_key=False)
+        )
         self.etcd_tls_dir = write_etcd_tls_dir(self.log_dir / "etcd-tls")  # etcd is this mesh's alone
 
     def _by_role(self, role: str) -> list[Proc]:

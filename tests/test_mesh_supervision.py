@@ -129,7 +129,8 @@ def test_a_failed_mesh_keeps_its_logs_but_not_its_keys_nor_etcds_data(monkeypatc
     monkeypatch.delenv("INFINITE_LLM_TLS_DIR", raising=False)
     mesh = LocalMesh(MeshConfig())
     mesh._setup_tls()
-    assert (mesh.log_dir / "tls" / "ca-key.pem").exists() and (mesh.log_dir / "etcd-tls" / "etcd-key.pem").exists()
+    assert (mesh.log_dir / "tls" / "manager-key.pem").exists() and (mesh.log_dir / "etcd-tls" / "etcd-key.pem").exists()
+    assert not (mesh.log_dir / "tls" / "ca-key.pem").exists()  # up signs nothing later: its CA key is not kept
     (mesh.log_dir / "etcd" / "etcd" / "member").mkdir(parents=True)
     (mesh.log_dir / "etcd" / "etcd" / "member" / "wal").write_bytes(b"\0" * 1024)
     (mesh.log_dir / "etcd" / "etcd.log").write_text("etcd says")
