@@ -313,6 +313,9 @@ class LocalMesh:
             self._count_exit("etcd", max_restarts, window_s, self.etcd.log_path)
             old = self.etcd
             self.etcd = start_etcd(data_dir=old.data_dir, client_port=old.client_port, tls=old.tls)
+            if self._reaper is not None:  # the reaper waits for the running etcd, not the one that exited
+                self._stop_reaper()
+                self._start_reaper(self.etcd.process.pid)
             restarted.append(Proc("etcd", "etcd", f"{old.host}:{old.client_port}", self.etcd.process, old.log_path))
         for p in self.procs:
             if p.role in RESTARTED_ROLES and not p.alive():

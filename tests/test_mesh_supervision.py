@@ -102,14 +102,19 @@ def test_a_crashed_etcd_is_started_again_on_its_port_with_its_data(mesh):
     comes back on the same port with the same data (the services ride the outage out:
     ``tests/e2e/test_mesh_orphans.py``), and counts toward the crash-loop limit like any service."""
     mesh.etcd = start_etcd(data_dir=mesh.log_dir / "etcd")
+    mesh._start_reaper(mesh.etcd.process.pid)
     key = base64.b64encode(b"/infinite-llm/ledger/x").decode()
     _etcd_http(mesh.etcd, "put", {"key": key, "value": base64.b64encode(b"kept").decode()})
     assert mesh.restart_crashed() == []
-    old = mesh.etcd
+    old, old_reaper = mesh.etcd, mesh._reaper
     old.process.kill()
     old.process.wait()  # SIGKILL is delivered, not yet done: as up's supervision, which polls every second
     (restarted,) = mesh.restart_crashed(max_restarts=1)
     try:
+        # the run directory's reaper now waits for the new etcd (up killed outright: it would otherwise remove
+        # etcd's data while the new etcd still runs); the old one left without touching anything
+        assert old_reaper.wait(timeout=10) == 0 and mesh._reaper is not old_reaper
+        assert mesh._reaper.args[-1] == str(mesh.etcd.process.pid) and mesh._reaper.poll() is None
         assert (restarted.role, restarted.name, restarted.address) == ("etcd", "etcd", f"127.0.0.1:{old.client_port}")
         assert restarted.alive() and restarted.popen is mesh.etcd.process and old.process.poll() is not None
         assert mesh.etcd.client_port == old.client_port and mesh.etcd.data_dir == old.data_dir
@@ -121,6 +126,7 @@ def test_a_crashed_etcd_is_started_again_on_its_port_with_its_data(mesh):
             mesh.restart_crashed(max_restarts=1)
     finally:
         mesh.etcd.stop()
+        mesh._stop_reaper()
 
 
 def test_a_failed_mesh_keeps_its_logs_but_not_its_keys_nor_etcds_data(monkeypatch):
