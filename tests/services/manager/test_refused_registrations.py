@@ -99,6 +99,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _attention_config(manager_address: str, port: int, drain_timeout_s: float) -> AttentionServerConfig:
+    """An fp32 attention server "s" of the tests' layout on ``port``, registering with ``manager_address``."""
+    return AttentionServerConfig(
+        server_id="s", kv_memory_bytes=1 << 16, num_layers=1, num_kv_heads=1, head_dim=2,
+        block_size=LAYOUT.block_size, port=port, grace_s=0, manager_address=manager_address,
+        drain_timeout_s=drain_timeout_s,
+    )  # fmt: skip
+
+
 async def _health(address: str) -> int:
     channel = aio_channel(address)
     try:
@@ -120,11 +129,8 @@ def test_a_refused_attention_server_is_not_serving_and_joins_once_the_clash_is_g
             # "a" keeps bf16 KV of the same shape: the server below (fp32) clashes with it
             await m.register("a", "127.0.0.1:50061", 4, LAYOUT.block_size, kv_layout=kv_layout_of(BF16))
             port = _free_port()
-            config = AttentionServerConfig(server_id="s", kv_memory_bytes=1 << 16, num_layers=1, num_kv_heads=1,
-                                           head_dim=2, block_size=LAYOUT.block_size, port=port, grace_s=0,
-                                           manager_address=stub.address, drain_timeout_s=0)  # fmt: skip
             stop = asyncio.Event()
-            task = asyncio.create_task(serve(config, stop))
+            task = asyncio.create_task(serve(_attention_config(stub.address, port, drain_timeout_s=0), stop))
             try:
                 refused_now = []
 
@@ -230,12 +236,8 @@ def test_a_refused_duplicate_attention_server_that_stops_leaves_the_live_one_reg
     async def scenario():
         async with running_manager(etcd_server, etcd_prefix, make_servers({}), register=False) as m, served(m) as stub:
             await m.register("s", "127.0.0.1:50061", 4, LAYOUT.block_size, kv_layout="")  # the live server "s"
-            port = _free_port()
-            config = AttentionServerConfig(server_id="s", kv_memory_bytes=1 << 16, num_layers=1, num_kv_heads=1,
-                                           head_dim=2, block_size=LAYOUT.block_size, port=port, grace_s=0,
-                                           manager_address=stub.address, drain_timeout_s=5)  # fmt: skip
             stop = asyncio.Event()
-            task = asyncio.create_task(serve(config, stop))
+            task = asyncio.create_task(serve(_attention_config(stub.address, _free_port(), drain_timeout_s=5), stop))
             try:
                 await wait_for(lambda: any(r.member_id == "s" for r in m.refusals.recent()), 10)
                 assert "registered from another identity or address" in m.refusals.recent()[0].reason
