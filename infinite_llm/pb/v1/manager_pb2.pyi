@@ -264,7 +264,7 @@ class RegisterComputeResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class HeartbeatComputeRequest(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held", "seq_ids", "reports_seq_ids", "num_steps", "mean_step_s", "migration_results")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held", "seq_ids", "reports_seq_ids", "num_steps", "mean_step_s", "migration_results", "address")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class HeartbeatComputeRequest(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     MEAN_STEP_S_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -283,7 +284,8 @@ class HeartbeatComputeRequest(_message.Message):
     num_steps: int
     mean_step_s: float
     migration_results: _containers.RepeatedCompositeFieldContainer[MigrationResult]
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., reports_seq_ids: _Optional[bool] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
+    address: str
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., reports_seq_ids: _Optional[bool] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class MigrationOrder(_message.Message):
     __slots__ = ("migration_id", "seq_id", "src_server_id", "src_address", "dst_server_id", "dst_address", "reservation_ids", "block_indices", "drain")
@@ -338,10 +340,12 @@ class HeartbeatComputeResponse(_message.Message):
     def __init__(self, migrations: _Optional[_Iterable[_Union[MigrationOrder, _Mapping]]] = ...) -> None: ...
 
 class DeregisterComputeRequest(_message.Message):
-    __slots__ = ("instance_id",)
+    __slots__ = ("instance_id", "address")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
-    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+    address: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class DeregisterComputeResponse(_message.Message):
     __slots__ = ()

@@ -81,7 +81,8 @@ class ComputeRegistrar:
         if deregister and was_registered:
             try:
                 await self._stub.DeregisterCompute(
-                    mpb.DeregisterComputeRequest(instance_id=self.instance_id), timeout=CALL_TIMEOUT_S
+                    mpb.DeregisterComputeRequest(instance_id=self.instance_id, address=self.address),
+                    timeout=CALL_TIMEOUT_S,
                 )
             except grpc.RpcError as e:  # expired already, or the manager is gone: the lease lapses anyway
                 log.warning("deregistering %s failed (%s); its lease will lapse", self.instance_id, e.code().name)
@@ -114,6 +115,7 @@ class ComputeRegistrar:
         reply = await self._stub.HeartbeatCompute(
             mpb.HeartbeatComputeRequest(
                 instance_id=self.instance_id,
+                address=self.address,
                 num_running=load.num_running,
                 num_waiting=load.num_waiting,
                 num_tokens_held=load.num_tokens_held,

@@ -25,6 +25,9 @@ from infinite_llm.services.manager.records import COMPUTES_PREFIX, MemberInfo
 from infinite_llm.state.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
+# A registration of a live id at another address is refused while the registered instance's last heartbeat
+# is younger than this many heartbeat intervals (a third of its TTL each): it is alive, the caller a duplicate.
+LIVE_HEARTBEAT_INTERVALS = 2
 
 
 def check_address(address: str) -> str:
@@ -183,16 +186,49 @@ class ComputeInstances:
             for m in self.members.members()
         ]
 
-    def check_owner(self, instance_id: str, identity: str) -> None:
+    def check_owner(self, instance_id: str, identity: str, address: str = "") -> None:
         """Raises ``PermissionDenied`` when ``instance_id`` is registered live by another certificate subject
-        than ``identity``: an instance's id, load and sequences are its own while its lease lives."""
-        live = next((m.info for m in self.members.members() if m.info.instance_id == instance_id), None)
+        than ``identity``, or (``address`` told; '' = an older instance: not checked) at another address: an
+        instance's id, load and sequences are its own while its lease lives, and every compute instance
+        shares one certificate."""
+        live = self._live(instance_id)
         if live is not None and live.identity != identity:
             raise PermissionDenied(
                 f"compute instance {instance_id[:64]!r} is registered by another identity; it may register again "
                 "when that registration's lease ends",
                 param="instance_id",
             )
+        if live is not None and address and live.address != address:
+            raise PermissionDenied(
+                f"compute instance {instance_id[:64]!r} is registered at {live.address}, not {address}: another "
+                "process under the same id",
+                param="instance_id",
+            )
+
+    def check_takeover(self, info: ComputeInfo, now: float | None = None) -> None:
+        """Raises ``PermissionDenied`` when ``info`` would take over a registration of its id at another
+        address whose instance still heartbeats (its last heartbeat under ``LIVE_HEARTBEAT_INTERVALS`` of its
+        interval old): a second process under a live id. An instance restarted at a new address (the old
+        process died: its heartbeats stopped) registers again, as before, once they are that late.
+
+        Two processes under one id would heartbeat alternately, each listing only its own sequences, and the
+        orphan reconciler would free the other's running sequences' rBlocks."""
+        live = self._live(info.instance_id)
+        load = self._loads.get(info.instance_id)
+        if live is None or live.address == info.address or load is None or load.heartbeat_at is None:
+            return
+        window_s = LIVE_HEARTBEAT_INTERVALS * self.members.ttl_of(info.instance_id) / 3
+        age_s = heartbeat_age_s(load, now)
+        if age_s < window_s:
+            raise PermissionDenied(
+                f"compute instance {info.instance_id[:64]!r} is live at {live.address} (its last heartbeat "
+                f"{age_s:.1f} s ago): a second instance under its id is refused; give each its own --instance-id "
+                f"(a restart at a new address registers once the old one's heartbeats are {window_s:.0f} s late)",
+                param="instance_id",
+            )
+
+    def _live(self, instance_id: str) -> ComputeInfo | None:
+        return next((m.info for m in self.members.members() if m.info.instance_id == instance_id), None)
 
     def _joined(self, instance_id: str, info: ComputeInfo) -> None:
         homes, node = ", ".join(info.home_server_ids) or "-", info.node_name or "-"

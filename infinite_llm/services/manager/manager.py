@@ -324,13 +324,15 @@ class GlobalManager:
         certificate's subject) may register it again, at any address (a restarted instance on a new port).
 
         Raises:
-            PermissionDenied: ``info.instance_id`` is registered live by another identity.
+            PermissionDenied: ``info.instance_id`` is registered live by another identity, or at another
+                address by an instance that still heartbeats (a second process under its id).
             FailedPrecondition: the KV its model and dtype need (``info.kv_layout``) differs from a live
                 member's.
             NotLeader: this manager does not lead.
         """
         with self._refusing("compute", info.instance_id, info.address):
             self.computes.check_owner(info.instance_id, info.identity)
+            self.computes.check_takeover(info)
             who = f"compute instance {info.instance_id!r} needs"
             self.check_kv_layout(info.kv_layout, who, ("compute", info.instance_id))
         registration = await self.computes.register(info, ttl_s or self.config.member_ttl_s)

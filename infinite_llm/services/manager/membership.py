@@ -173,6 +173,10 @@ class LeasedMembers(Generic[InfoT]):
     def _ttl(self, member_id: str) -> int:
         return self._ttls.get(member_id, self.default_ttl_s)
 
+    def ttl_of(self, member_id: str) -> int:
+        """The member's lease TTL in seconds (its heartbeats come every third of it)."""
+        return self._ttl(member_id)
+
     async def _remove_silent(self) -> None:
         """While this manager leads, remove every member not heard of for its TTL. A new term, or a stall
         of this manager, first gives every member a full TTL from then."""

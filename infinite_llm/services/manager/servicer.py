@@ -200,7 +200,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         return mpb.RegisterComputeResponse(lease_ttl_s=reg.ttl_s)
 
     async def HeartbeatCompute(self, request: mpb.HeartbeatComputeRequest, context) -> mpb.HeartbeatComputeResponse:  # noqa: N802, ANN001
-        self.manager.computes.check_owner(request.instance_id, peer_of(context).identity)
+        self.manager.computes.check_owner(request.instance_id, peer_of(context).identity, request.address)
         load = ComputeLoad(request.num_running, request.num_waiting, request.num_tokens_held, time.monotonic())
         await self.manager.heartbeat_compute(request.instance_id, load)
         if self.reports is not None and request.reports_seq_ids:
@@ -242,7 +242,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         return mpb.HeartbeatComputeResponse(migrations=orders)
 
     async def DeregisterCompute(self, request: mpb.DeregisterComputeRequest, context) -> mpb.DeregisterComputeResponse:  # noqa: N802, ANN001
-        self.manager.computes.check_owner(request.instance_id, peer_of(context).identity)
+        self.manager.computes.check_owner(request.instance_id, peer_of(context).identity, request.address)
         await self.manager.deregister_compute(request.instance_id)
         return mpb.DeregisterComputeResponse()
 

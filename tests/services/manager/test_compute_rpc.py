@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import grpc
@@ -415,5 +416,44 @@ def test_a_waiting_sequence_the_cluster_cannot_hold_asks_placement_once_per_view
             await asyncio.to_thread(kv.free, "r")
             (admitted,) = (await asyncio.to_thread(scheduler.schedule)).scheduled
             assert admitted.seq.seq_id == "w" and kv.block_table("w")
+
+    asyncio.run(scenario())
+
+
+def test_a_second_instance_under_a_live_id_is_refused_and_cannot_heartbeat_for_it(etcd_server, etcd_prefix):
+    """Every compute instance shares one certificate. A second process started under a live instance's id
+    (another address) is refused while the registered one heartbeats, and its heartbeats, which would list
+    only its own sequences (the orphan reconciler would then free the other's), are PERMISSION_DENIED. A
+    restart at a new address registers once the old process's heartbeats are two intervals late."""
+
+    async def scenario():
+        async with running_manager(etcd_server, etcd_prefix, make_servers({"a": 4})) as m, served(m) as stub:
+            await stub.RegisterCompute(mpb.RegisterComputeRequest(**REGISTER))  # c0 at 127.0.0.1:50070
+            beat = mpb.HeartbeatComputeRequest(instance_id="c0", address="127.0.0.1:50070", reports_seq_ids=True)
+            await stub.HeartbeatCompute(beat)
+            other = {**REGISTER, "address": "127.0.0.1:50071"}
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.RegisterCompute(mpb.RegisterComputeRequest(**other))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "is live at 127.0.0.1:50070 (its last heartbeat" in e.value.details()
+            assert [r.member_id for r in m.refusals.recent()] == ["c0"]
+            for call in (
+                stub.HeartbeatCompute(mpb.HeartbeatComputeRequest(instance_id="c0", address="127.0.0.1:50071")),
+                stub.DeregisterCompute(mpb.DeregisterComputeRequest(instance_id="c0", address="127.0.0.1:50071")),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "registered at 127.0.0.1:50070, not 127.0.0.1:50071" in e.value.details()
+            (state,) = await m.compute_instances()
+            assert state.info.address == "127.0.0.1:50070"
+            # The registered process dies: once its last heartbeat is two intervals old (TTL/3 each), a
+            # restart at a new address takes the id over, as before.
+            window_s = 2 * m.computes.members.ttl_of("c0") / 3
+            load = m.computes._loads["c0"]
+            m.computes._loads["c0"] = dataclasses.replace(load, heartbeat_at=load.heartbeat_at - window_s)
+            await stub.RegisterCompute(mpb.RegisterComputeRequest(**other))
+            (state,) = await m.compute_instances()
+            assert state.info.address == "127.0.0.1:50071"
 
     asyncio.run(scenario())
