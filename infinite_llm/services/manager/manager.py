@@ -321,7 +321,8 @@ class GlobalManager:
     async def register_compute(self, info: ComputeInfo, ttl_s: int | None = None) -> Registration:
         """Register a compute instance under a lease of ``ttl_s`` seconds (default ``member_ttl_s``). While a
         registration of ``info.instance_id`` lives, only the same identity (``info.identity``, its
-        certificate's subject) may register it again, at any address (a restarted instance on a new port).
+        certificate's subject) may register it again: at its address, or at another once the registered instance's
+        heartbeats are late (a restarted instance on a new port; :meth:`.ComputeInstances.check_takeover`).
 
         Raises:
             PermissionDenied: ``info.instance_id`` is registered live by another identity, or at another
