@@ -5,6 +5,7 @@ request id already in flight. Real gRPC servers on loopback, model-free compute 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -46,13 +47,19 @@ async def _serve(servicer):
     return await start_server([service], "127.0.0.1:0")
 
 
+@contextlib.asynccontextmanager
 async def _mesh(*modes: str):
+    """``(computes, servers, stub)``: a compute instance of each mode and a router over them, stopped after."""
     computes = [Compute(m) for m in modes]
     servers = [await _serve(c) for c in computes]
     router = RouterServicer([f"127.0.0.1:{s.port}" for s in servers], "tiny", 2048, tokenizer=None)
     rserver = await start_server([Service.of(rpb, "Router", rgrpc.add_RouterServicer_to_server, router)], "127.0.0.1:0")
     stub = rgrpc.RouterStub(aio_channel(f"127.0.0.1:{rserver.port}"))
-    return computes, [*servers, rserver], stub
+    try:
+        yield computes, [*servers, rserver], stub
+    finally:
+        for s in [*servers, rserver]:
+            await s.stop(0)
 
 
 def _request(rid: str) -> gpb.GenerateRequest:
@@ -61,8 +68,7 @@ def _request(rid: str) -> gpb.GenerateRequest:
 
 def test_a_request_refused_before_its_first_token_is_retried_elsewhere_under_a_fresh_id():
     async def scenario():
-        (dead, ok), servers, stub = await _mesh("dead", "ok")
-        try:
+        async with _mesh("dead", "ok") as ((dead, ok), _, stub):
             rids = ["req-a", "req-b", "req-c"]
             for rid in rids:
                 reply = await stub.Generate(_request(rid), timeout=10)
@@ -74,17 +80,13 @@ def test_a_request_refused_before_its_first_token_is_retried_elsewhere_under_a_f
                     assert seen.startswith(rid + ":retry-") and len(seen) == len(rid) + 19
                 else:
                     assert seen == rid
-        finally:
-            for s in servers:
-                await s.stop(0)
 
     asyncio.run(scenario())
 
 
 def test_when_every_instance_refuses_the_caller_is_told_what_the_last_one_answered():
     async def scenario():
-        computes, servers, stub = await _mesh("dead", "dead")
-        try:
+        async with _mesh("dead", "dead") as (computes, servers, stub):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Generate(_request("req-x"), timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -94,43 +96,32 @@ def test_when_every_instance_refuses_the_caller_is_told_what_the_last_one_answer
                 "answered: compute instance gone"
             )
             assert sorted(len(c.ids) for c in computes) == [1, 1]
-        finally:
-            for s in servers:
-                await s.stop(0)
 
     asyncio.run(scenario())
 
 
 def test_an_instance_that_dies_after_the_first_token_fails_the_stream_with_unavailable():
     async def scenario():
-        (dies,), servers, stub = await _mesh("dies")
-        try:
+        async with _mesh("dies") as ((dies,), _, stub):
             got = []
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 async for msg in stub.GenerateStream(_request("req-c"), timeout=10):
                     got.append((msg.request_id, list(msg.token_ids)))
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert got == [("req-c", [1])] and dies.ids == ["req-c"]  # not retried: a token was sent
-        finally:
-            for s in servers:
-                await s.stop(0)
 
     asyncio.run(scenario())
 
 
 def test_a_request_id_already_in_flight_is_refused():
     async def scenario():
-        (slow,), servers, stub = await _mesh("slow")
-        try:
+        async with _mesh("slow") as ((slow,), _, stub):
             first = asyncio.ensure_future(stub.Generate(_request("req-d"), timeout=10))
             await asyncio.sleep(0.3)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Generate(_request("req-d"), timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert (await first).finish_reason == "length" and slow.ids == ["req-d"]
-        finally:
-            for s in servers:
-                await s.stop(0)
 
     asyncio.run(scenario())
 
@@ -141,16 +132,12 @@ def test_kv_memory_lost_is_not_retried_on_another_instance():
     message) instead of the request being sent to the next instance."""
 
     async def scenario():
-        computes, servers, stub = await _mesh("lost", "lost")
-        try:
+        async with _mesh("lost", "lost") as (computes, _, stub):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Generate(_request("req-l"), timeout=10)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             error = error_from_rpc(info.value)
             assert type(error) is KVMemoryLost and error.message == "the KV memory shrank to 4 rBlocks"
             assert sorted(len(c.ids) for c in computes) == [0, 1]  # sent once, to one instance
-        finally:
-            for s in servers:
-                await s.stop(0)
 
     asyncio.run(scenario())
