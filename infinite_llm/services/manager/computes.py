@@ -20,7 +20,7 @@ from infinite_llm.core.errors import InvalidRequest, PermissionDenied
 from infinite_llm.core.ids import check_id
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.ledger import LedgerRecord
-from infinite_llm.services.manager.membership import LeasedMembers, Registration
+from infinite_llm.services.manager.membership import LeasedMembers, Registration, check_caller_address
 from infinite_llm.services.manager.records import COMPUTES_PREFIX, MemberInfo
 from infinite_llm.state.etcd_store import EtcdStore
 
@@ -198,12 +198,8 @@ class ComputeInstances:
                 "when that registration's lease ends",
                 param="instance_id",
             )
-        if live is not None and address and live.address != address:
-            raise PermissionDenied(
-                f"compute instance {instance_id[:64]!r} is registered at {live.address}, not {address}: another "
-                "process under the same id",
-                param="instance_id",
-            )
+        if live is not None:
+            check_caller_address(f"compute instance {instance_id[:64]!r}", live.address, address, "instance_id")
 
     def check_takeover(self, info: ComputeInfo, now: float | None = None) -> None:
         """Raises ``PermissionDenied`` when ``info`` would take over a registration of its id at another

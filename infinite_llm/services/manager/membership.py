@@ -23,18 +23,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic
 
-from infinite_llm.core.errors import InvalidRequest, NotFound, Unavailable
+from infinite_llm.core.errors import InvalidRequest, NotFound, PermissionDenied, Unavailable
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.leadership import Leadership
 from infinite_llm.services.manager.records import LEADER_KEY, MEMBERS_PREFIX, InfoT, Member, MemberInfo, check_id
 from infinite_llm.state.etcd_store import Compare, EtcdStore, KeyValue, Op, PrefixWatch, WatchEvent
 
 log = logging.getLogger(__name__)
+
 REAP_TICK_S = 0.25  # how often the leader looks for silent members (seconds)
 # A reap tick this much later than due means this manager could not hear anyone meanwhile (a stall, a long
 # pause of its event loop): every member then gets a full TTL from the tick, as after taking the lead.
 STALL_S = 1.0
 REMOVE_RETRY_S = 1.0  # a removal etcd failed is tried again after this long (seconds)
+
+
+def check_caller_address(what: str, registered: str, address: str, param: str) -> None:
+    """Raises ``PermissionDenied`` when a live member's heartbeat or deregistration names ``address`` and it is
+    not the one it registered (``registered``): every member of a role shares one certificate, and a second
+    process under a live id must not speak for it. ``address`` '' (an older member that does not tell) is not
+    checked. ``what``: the member as the error names it (``attention server 'a'``)."""
+    if address and registered != address:
+        raise PermissionDenied(
+            f"{what} is registered at {registered}, not {address}: another process under the same id", param=param
+        )
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from infinite_llm.rpc.kv_layout import kv_layout_of
 from infinite_llm.rpc.tls import peer_of
 from infinite_llm.services.manager.computes import ComputeInfo, ComputeLoad, ComputeState, heartbeat_age_s
 from infinite_llm.services.manager.manager import GlobalManager
+from infinite_llm.services.manager.membership import check_caller_address
 from infinite_llm.services.manager.migrations import MigrationResult
 from infinite_llm.services.manager.reconcile import Reports, ServerReport
 
@@ -94,12 +95,8 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
             raise PermissionDenied(
                 f"attention server {server_id!r} is registered by another identity", param="server_id"
             )
-        if live is not None and address and live.address != address:
-            raise PermissionDenied(
-                f"attention server {server_id!r} is registered at {live.address}, not {address}: another process "
-                "under the same id",
-                param="server_id",
-            )
+        if live is not None:
+            check_caller_address(f"attention server {server_id!r}", live.address, address, "server_id")
 
     async def Place(self, request: mpb.PlaceRequest, context: grpc.aio.ServicerContext) -> mpb.PlaceResponse:  # noqa: N802
         if request.block_size:
