@@ -86,6 +86,7 @@ class Figures:
     batch: float = 0.0  # mean running sequences per compute instance while requests ran
     itl_s: float = 0.0  # mean inter-token latency (~ one decode step), seconds
     attention_rpc_s: float = 0.0  # mean round trip of one layer to one attention server, seconds
+    preemptions: float = 0.0  # sequences preempted (their KV freed, recomputed later) on all compute instances
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,6 +158,7 @@ def compute_figures(fig: Figures, meshes: list[LocalMesh], batch: BatchSampler) 
     rpc = [scrape(a, "infinite_llm:attention_rpc_latency_seconds_sum") for a in computes]
     n = [scrape(a, "infinite_llm:attention_rpc_latency_seconds_count") for a in computes]
     fig.attention_rpc_s = sum(rpc) / max(sum(n), 1)
+    fig.preemptions = sum(scrape(a, "infinite_llm:num_preemptions_total") for a in computes)
 
 
 def generate_on(address: str, r: Request) -> int | None:
@@ -300,7 +302,7 @@ def main() -> None:
     if unknown := set(modes) - set(MODES):
         ap.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
     header = f"{'mode':22} {'tok/s':>8} {'completed':>9} {'refused':>7} {'longest ctx':>11}"
-    print(f"{header} {'migrations':>10} {'MiB moved':>9} {'prompt tok':>10} {'batch':>5} {'ITL ms':>6} {'hop ms':>6}")
+    print(f"{header} {'migrations':>10} {'MiB moved':>9} {'prompt tok':>10} {'batch':>5} {'ITL ms':>6} {'hop ms':>6} {'preempted':>9}")
     figures = {}
     for key in modes:  # a row as each mode ends (a run of all four takes minutes per mesh start on 2 cores)
         mode, tokens_per_step = MODES[key]
@@ -309,7 +311,7 @@ def main() -> None:
         print(
             f"{mode:22} {f.tokens_per_s:8.1f} {f.completed:9d} {f.refused:7d} {f.longest_context:11d} "
             f"{f.migrations:10.0f} {f.bytes_moved / 2**20:9.2f} {f.prompt_tokens:10d} {f.batch:5.2f} "
-            f"{f.itl_s * 1e3:6.1f} {f.attention_rpc_s * 1e3:6.2f}",
+            f"{f.itl_s * 1e3:6.1f} {f.attention_rpc_s * 1e3:6.2f} {f.preemptions:9.0f}",
             flush=True,
         )
     if "pooled, 32/step" in figures and "pooled, no migration" in figures:

@@ -4,7 +4,12 @@ Each step the scheduler gives every running sequence its next tokens (one for de
 prefill still in progress), then admits waiting sequences while the per-step token budget, the sequence
 cap and free rBlocks allow. When a running sequence needs an rBlock and none is free, the most recently
 admitted running sequence is preempted by recompute: its blocks are freed and it goes back to the front
-of the waiting queue with its tokens so far, to be prefilled again (vLLM v1's policy). The scheduler talks
+of the waiting queue with its tokens so far, to be prefilled again (vLLM v1's policy). A waiting sequence
+is admitted only when the rBlocks of all its tokens not yet computed can be placed at once (vLLM v0's
+``can_allocate``), though its prefill still runs in budget-sized chunks: admitted on its first chunk alone,
+a prompt longer than the budget could find the rest of its rBlocks taken by the time its next chunk runs
+(by another compute instance placing in the same attention servers, or by its own batch's decodes), and
+would preempt itself and prefill again from the start, step after step. The scheduler talks
 to KV memory only through the small :class:`BlockManager` protocol, so the same code drives local
 partitions and remote attention servers. A placement refused for one sequence's own sake (its id, or a
 sequence released behind its back: :data:`REQUEST_ERRORS`) fails that sequence alone; the rest of the
@@ -244,7 +249,7 @@ class Scheduler:
                     break
                 self._match_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self._try_grow(seq, num_new):
+                if not self._try_grow(seq, seq.num_tokens - seq.num_computed_tokens):  # every chunk's rBlocks
                     self._unmatch(seq)
                     break
             except REQUEST_ERRORS as e:

@@ -92,6 +92,39 @@ def test_latest_admitted_sequence_is_preempted_when_blocks_run_out():
     assert sched.num_preemptions == 1 and list(sched.waiting) == [b]
 
 
+def test_a_long_prompt_is_admitted_when_all_its_rblocks_fit_and_never_preempts_itself_mid_prefill():
+    """Two compute instances place in one KV memory of 6 rBlocks of 4 tokens; B holds 2. A's 19-token prompt
+    (5 rBlocks, prefilled in chunks of 8) waits while only 4 are free, instead of starting on its first
+    chunk's 2: B takes 2 more before A's second chunk, and A's sequence would preempt itself and prefill
+    again from the start. It is admitted once B's sequences end, then prefilled once, in 3 chunks."""
+    holders = {partition_id(0): RManager(6, LAYOUT)}
+    kv = DistAttention(LocalPlacement(holders), LocalTransport(holders), LAYOUT.block_size)
+    inst_a, inst_b = Scheduler(SchedulerConfig(8, 8), kv), Scheduler(SchedulerConfig(8, 8), kv)
+    b1, b2, a = _seq("b1", 7, max_tokens=2), _seq("b2", 7, max_tokens=2), _seq("a", 19, max_tokens=1)
+    prefilled = []  # A's prefill chunks, in tokens
+
+    def step_a():  # noqa: ANN202
+        out = inst_a.schedule()
+        prefilled.extend(s.num_new for s in out.scheduled if s.num_computed_tokens < len(a.prompt_token_ids))
+        _run(inst_a, out)
+        if a.output_token_ids:
+            inst_a.finish(a, "length")
+
+    inst_b.add(b1)
+    _run(inst_b, inst_b.schedule())  # b1: 2 rBlocks
+    inst_a.add(a)
+    step_a()  # 4 free: not enough for a's 5
+    inst_b.add(b2)
+    _run(inst_b, inst_b.schedule())  # b2 takes 2 of them
+    step_a()
+    for s in (b1, b2):
+        inst_b.finish(s, "length")
+    while a.status is not SequenceStatus.FINISHED:
+        step_a()
+    assert prefilled == [8, 8, 3] and a.num_preemptions == 0 and inst_a.num_preemptions == 0
+    assert kv.num_free_blocks == 6
+
+
 def test_finish_frees_blocks_and_removes_the_sequence():
     sched, kv = _sched(num_blocks=4)
     a = _seq("a", 6)
@@ -318,7 +351,9 @@ def test_lookahead_waits_while_sequences_wait_and_falls_back_to_the_exact_need()
     _run(sched2, sched2.schedule())  # a's prefill takes the whole budget; c waits
     assert list(sched2.waiting) == [c2]
     out = sched2.schedule()  # a grows by exactly 1 while c waits; then c is admitted with the budget left
-    assert placement2.calls == [1, 1, 1] and [s.seq.seq_id for s in out.scheduled] == ["a", "c"]
+    # (a 3-token chunk) and the rBlocks of its whole 8-token prompt
+    assert placement2.calls == [1, 1, 2] and [s.seq.seq_id for s in out.scheduled] == ["a", "c"]
+    assert [(s.num_computed_tokens, s.num_new) for s in out.scheduled] == [(4, 1), (0, 3)]
 
 
 def _prefix_sched(num_blocks, budget=64):  # noqa: ANN001, ANN202
