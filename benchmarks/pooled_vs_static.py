@@ -302,7 +302,8 @@ def main() -> None:
     if unknown := set(modes) - set(MODES):
         ap.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
     header = f"{'mode':22} {'tok/s':>8} {'completed':>9} {'refused':>7} {'longest ctx':>11}"
-    print(f"{header} {'migrations':>10} {'MiB moved':>9} {'prompt tok':>10} {'batch':>5} {'ITL ms':>6} {'hop ms':>6} {'preempted':>9}")
+    header += f" {'migrations':>10} {'MiB moved':>9} {'prompt tok':>10} {'batch':>5} {'ITL ms':>6} {'hop ms':>6}"
+    print(f"{header} {'preempted':>9}")
     figures = {}
     for key in modes:  # a row as each mode ends (a run of all four takes minutes per mesh start on 2 cores)
         mode, tokens_per_step = MODES[key]
