@@ -78,20 +78,22 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("seq_id", "num_blocks", "near_server_id", "first_block_index", "block_size", "instance_id")
+    __slots__ = ("seq_id", "num_blocks", "near_server_id", "first_block_index", "block_size", "instance_id", "admission")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEAR_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_blocks: int
     near_server_id: str
     first_block_index: int
     block_size: int
     instance_id: str
-    def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., near_server_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., block_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    admission: bool
+    def __init__(self, seq_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., near_server_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., block_size: _Optional[int] = ..., instance_id: _Optional[str] = ..., admission: _Optional[bool] = ...) -> None: ...
 
 class BlockGrant(_message.Message):
     __slots__ = ("server_id", "address", "block_ids")

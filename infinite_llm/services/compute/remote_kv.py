@@ -69,6 +69,7 @@ class ManagerPlacement:
         self._cached_blocks = 0  # rBlocks in the cluster's prefix index, at the last capacity read
         self._to_publish: list[mpb.PrefixBlock] = []  # full rBlocks of this step, sent by flush_published
         self._held: set[str] = set()
+        self._admitted: set[str] = set()  # sequences placed since their last release: a Place grows them
         self._away_until = 0.0  # monotonic time until which the manager counts as away (no new retries)
         self._away_reason = ""  # what its last UNAVAILABLE said
         self._servers: dict[str, agrpc.AttentionServerStub] = {}
@@ -176,7 +177,9 @@ class ManagerPlacement:
     def place(self, seq_id: str, n: int, first_index: int, near: HolderId | None = None) -> list[BlockRef] | None:
         """``n`` rBlocks for logical indices ``first_index ..``; ``None`` when the cluster is full now.
         ``near`` (the server of the sequence's last rBlock) goes to the manager, which places there first
-        while it has room and is one of this instance's homes.
+        while it has room and is one of this instance's homes. The first Place of a sequence since its last
+        release (beyond a matched prefix) admits it: the manager serves admissions first come, first served
+        across compute instances, and returns ``None`` for this one while older ones wait for the rBlocks.
 
         Raises ``Unavailable`` when the manager stays unreachable through the retries, and at once for
         ``PLACE_RETRY_S`` after that (the other sequences of the step do not each wait the retries out).
@@ -188,6 +191,7 @@ class ManagerPlacement:
             block_size=self.block_size,
             instance_id=self.instance_id,
             near_server_id=near or "",
+            admission=seq_id not in self._admitted,
         )
         try:
             refs, _ = self._grants_of(seq_id, "Place", request)
@@ -201,6 +205,7 @@ class ManagerPlacement:
             raise error_from_rpc(e) from None
         if len(refs) != n:
             raise CapacityExhausted(f"manager placed {len(refs)} rBlocks for {seq_id!r}, not {n}")
+        self._admitted.add(seq_id)
         return refs
 
     # ---- prefix cache (issue 13): the cluster's index lives in the manager ---------------------------
@@ -296,6 +301,7 @@ class ManagerPlacement:
         """
         with self._lock:
             self._held.discard(seq_id)
+        self._admitted.discard(seq_id)
         if time.monotonic() < self._away_until:
             return self._free_on_holders(seq_id, holders)
         try:

@@ -69,6 +69,11 @@ class CapacityView:
         """Estimated free rBlocks per server id."""
         return {sid: s.free_blocks for sid, s in self._servers.items()}
 
+    def totals(self) -> tuple[int, int]:
+        """``(capacity, free)``: rBlocks of every tracked server, and the estimate of those free."""
+        servers = self._servers.values()
+        return sum(s.capacity_blocks for s in servers), sum(s.free_blocks for s in servers)
+
     def get(self, server_id: str) -> ServerCapacity | None:
         s = self._servers.get(server_id)
         return None if s is None else replace(s)

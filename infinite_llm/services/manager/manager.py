@@ -28,6 +28,7 @@ from infinite_llm.core.errors import (
     PermissionDenied,
     Unavailable,
 )
+from infinite_llm.services.manager.admissions import AdmissionClaims
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.computes import (
     ComputeInfo,
@@ -138,6 +139,7 @@ class GlobalManager:
         self.drains.on_uncached = self.prefix.note_uncached  # evicted cached rBlocks leave the index
         self.migrations.prefix_index = self.prefix.index  # moved shared rBlocks: the index follows them
         self.refusals = Refusals()  # registrations refused lately (another model, block size or identity)
+        self.admissions = AdmissionClaims()  # refused admissions, served first come, first served (Place)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:
@@ -372,6 +374,7 @@ class GlobalManager:
         first_index: int | None = None,
         owner: str = "",
         identity: str | None = None,
+        admission: bool = False,
     ) -> list[Grant]:
         """Place ``n_blocks`` more rBlocks of ``seq_id``: near server and the owner's homes first, then the
         servers the planner lets the owner borrow from (:meth:`.Rebalancer.placement_targets`). ``near``
@@ -391,6 +394,9 @@ class GlobalManager:
         sequence's first placement, which is how debts are counted.
         ``identity``: the caller's certificate subject (``None``: the manager itself, unchecked); a sequence
         owned by a live compute instance grows only for the identity that registered that instance.
+        ``admission``: the caller admits the waiting sequence with these rBlocks (its first beyond a matched
+        prefix). Admissions are served first come, first served across compute instances: one is refused
+        while it would take rBlocks that older refused admissions wait for (:mod:`.admissions`); growth is not.
 
         Returns:
             One :class:`Grant` per server used, in placement order (near server first).
@@ -398,8 +404,9 @@ class GlobalManager:
         Raises:
             InvalidRequest: bad ``seq_id`` or ``n_blocks <= 0``.
             PermissionDenied: ``owner`` or the sequence's recorded owner is live under another identity.
-            CapacityExhausted: the cluster cannot hold them; no reservation or ledger change remains.
-                ``Unavailable`` instead while this manager is :attr:`settling` (retry shortly).
+            CapacityExhausted: the cluster cannot hold them, or (``admission``) older admissions wait for them;
+                no reservation or ledger change remains. ``Unavailable`` instead while this manager is
+                :attr:`settling` (retry shortly).
             NotLeader: this manager does not lead (nothing remains reserved).
             Unavailable: etcd failed (reservations cancelled), or a server died between reserve and commit
                 (the ledger keeps the placement: ``release`` the sequence).
@@ -415,7 +422,17 @@ class GlobalManager:
             check_id("near_server_id", near)
         self.leadership.fence()  # fail before reserving anything
         async with self._placing.hold(seq_id):
-            return await self._place(seq_id, n_blocks, near, first_index, owner, identity)
+            if not admission:
+                return await self._place(seq_id, n_blocks, near, first_index, owner, identity)
+            capacity, free = self.view.totals()
+            self.admissions.check(seq_id, n_blocks, free, capacity)
+            try:
+                grants = await self._place(seq_id, n_blocks, near, first_index, owner, identity)
+            except CapacityExhausted:
+                self.admissions.claim(seq_id, n_blocks)
+                raise
+            self.admissions.drop(seq_id)
+            return grants
 
     async def _place(
         self, seq_id: str, n_blocks: int, near: str | None, first_index: int | None, owner: str, identity: str | None

@@ -109,6 +109,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 request.first_block_index,
                 owner=request.instance_id,
                 identity=peer_of(context).identity,
+                admission=request.admission,
             )
         except CapacityExhausted:
             self.metrics.placement_failures.inc()

@@ -1,0 +1,93 @@
+"""First come, first served admission across compute instances that place in one pool of KV memory.
+
+Each compute instance admits its own waiting sequences first come, first served (vLLM's policy), but they all
+take rBlocks from the same attention servers. Without a cluster-wide order, a long prompt waiting on one
+instance can starve: whenever rBlocks free up, another instance admits its next short request into them,
+and the long prompt's instance never sees enough free at once (nor do the requests queued behind it there).
+
+So the leading manager keeps a **claim** for every admission it had to refuse: the sequence, the rBlocks it
+asked for, and when it first asked. A later admission, from any instance, is refused while placing it would
+leave fewer free rBlocks than the older claims need together; growth of running sequences (decodes, later
+prefill chunks) is never held back, so the memory drains. A claim ends when its sequence is admitted, when
+its instance stops asking for ``ttl_s`` (the request was aborted, the instance died), or when it asks for
+more than the cluster now holds in all; a release does not end it (a waiting sequence that matched a cached
+prefix releases it after each refused admission, and asks again). A claim stops holding others back
+``hold_s`` after it was made: one the planner cannot place anyway (lending forbidden) must not stall the
+cluster for good.
+
+Soft state, in the leader's memory only: a new leader starts with none and rebuilds them from refusals.
+Source: vLLM's FCFS waiting queue, applied across instances (PAPER.md "Managers": the gManager's global view).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from infinite_llm.core.errors import CapacityExhausted
+
+CLAIM_TTL_S = 5.0  # a claim its instance stopped renewing for this long is dropped (seconds; instances retry ~1 s)
+CLAIM_HOLD_S = 30.0  # a claim holds later admissions back for at most this long after it was made (seconds)
+
+
+@dataclass
+class Claim:
+    """A refused admission: ``n_blocks`` rBlocks asked for, first at ``since`` and last at ``renewed``
+    (``time.monotonic()`` seconds)."""
+
+    n_blocks: int
+    since: float
+    renewed: float
+
+
+class AdmissionClaims:
+    """Claims of refused admissions, oldest first; not thread-safe (the manager's event loop owns it)."""
+
+    def __init__(
+        self, ttl_s: float = CLAIM_TTL_S, hold_s: float = CLAIM_HOLD_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if ttl_s <= 0 or hold_s < 0:
+            raise ValueError(f"ttl_s must be > 0 and hold_s >= 0, got {ttl_s}, {hold_s}")
+        self.ttl_s, self.hold_s, self._clock = ttl_s, hold_s, clock
+        self._claims: dict[str, Claim] = {}
+
+    def check(self, seq_id: str, n_blocks: int, free_blocks: int, capacity_blocks: int) -> None:
+        """Admit ``seq_id``'s first ``n_blocks`` rBlocks only if ``free_blocks`` (the cluster's, of
+        ``capacity_blocks`` in all) cover them and every older claim that still holds; else record (or renew)
+        its claim and raise.
+
+        Raises:
+            CapacityExhausted: older admissions wait for the rBlocks this one would take.
+        """
+        now = self._clock()
+        self._expire(now, capacity_blocks)
+        mine = self._claims.get(seq_id)
+        since = mine.since if mine is not None else now
+        older = [c for s, c in self._claims.items() if s != seq_id and c.since < since and now - c.since < self.hold_s]
+        need = sum(c.n_blocks for c in older)
+        if older and free_blocks - n_blocks < need:
+            self.claim(seq_id, n_blocks)
+            raise CapacityExhausted(
+                f"{len(older)} older admission(s) wait for {need} rBlocks; {free_blocks} are free, and this one "
+                f"asks for {n_blocks} (first come, first served across compute instances)"
+            )
+
+    def claim(self, seq_id: str, n_blocks: int) -> None:
+        """Record that ``seq_id``'s admission of ``n_blocks`` rBlocks was refused (renew it if recorded)."""
+        now = self._clock()
+        mine = self._claims.get(seq_id)
+        self._claims[seq_id] = Claim(n_blocks, now if mine is None else mine.since, now)
+
+    def drop(self, seq_id: str) -> None:
+        """``seq_id`` was admitted: its claim ends (no-op without one)."""
+        self._claims.pop(seq_id, None)
+
+    def waiting(self) -> list[tuple[str, Claim]]:
+        """The claims, oldest first (including lapsed ones not yet expired by a ``check``)."""
+        return sorted(self._claims.items(), key=lambda kv: kv[1].since)
+
+    def _expire(self, now: float, capacity_blocks: int) -> None:
+        for seq_id, c in list(self._claims.items()):
+            if now - c.renewed > self.ttl_s or c.n_blocks > capacity_blocks:
+                del self._claims[seq_id]

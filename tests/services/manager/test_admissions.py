@@ -1,0 +1,144 @@
+"""First come, first served admission across compute instances (services/manager/admissions.py): the claims'
+rules on a fake clock, the manager's Place over real etcd and rManagers, and two compute instances'
+schedulers placing through the served manager, where a long prompt used to starve."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.services.manager.admissions import AdmissionClaims
+
+from .helpers import make_servers, running_manager
+from .test_compute_rpc import served
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_older_claim_holds_back_younger_admissions_that_would_take_its_rblocks():
+    clock = Clock()
+    claims = AdmissionClaims(ttl_s=5, hold_s=30, clock=clock)
+    claims.check("long", 5, free_blocks=4, capacity_blocks=6)  # no claims yet: the check passes
+    claims.claim("long", 5)  # ... and the placement itself found 4 free: refused, claimed
+    clock.now += 1
+    with pytest.raises(CapacityExhausted, match="1 older admission"):
+        claims.check("short", 2, free_blocks=4, capacity_blocks=6)  # 4 - 2 < 5
+    claims.check("short", 1, free_blocks=6, capacity_blocks=6)  # 6 - 1 >= 5: room for both
+    claims.check("long", 5, free_blocks=5, capacity_blocks=6)  # the claimant itself: nobody older
+    claims.drop("long")  # admitted
+    claims.check("short", 2, free_blocks=1, capacity_blocks=6)  # its own claim alone: the check passes
+    assert [s for s, _ in claims.waiting()] == ["short"]
+    claims.drop("short")
+    assert claims.waiting() == []
+
+
+def test_a_claim_lapses_when_unrenewed_when_it_outgrows_the_cluster_and_stops_holding_after_hold_s():
+    clock = Clock()
+    claims = AdmissionClaims(ttl_s=5, hold_s=30, clock=clock)
+    claims.claim("gone", 5)
+    clock.now += 5.5  # its instance stopped asking (aborted, died)
+    claims.check("other", 2, free_blocks=3, capacity_blocks=6)
+    assert [s for s, _ in claims.waiting()] == []
+
+    claims.claim("big", 5)
+    claims.check("other", 2, free_blocks=3, capacity_blocks=4)  # servers left: 5 can never fit in 4
+    assert claims.waiting() == []
+
+    claims.claim("stuck", 5)
+    for _ in range(7):  # renewed every 4.5 s for 31.5 s: still claimed, but holds nobody back after 30 s
+        clock.now += 4.5
+        claims.claim("stuck", 5)
+    claims.check("other", 2, free_blocks=3, capacity_blocks=6)
+    assert [s for s, _ in claims.waiting()] == ["stuck"]
+    with pytest.raises(ValueError):
+        AdmissionClaims(ttl_s=0)
+
+
+def test_the_manager_serves_admissions_in_order_and_never_holds_back_growth(etcd_server, etcd_prefix):
+    async def scenario():
+        async with running_manager(etcd_server, etcd_prefix, make_servers({"a": 6})) as m:
+            await m.place("b1", 2, admission=True)
+            with pytest.raises(CapacityExhausted):
+                await m.place("long", 5, admission=True)  # 4 free
+            with pytest.raises(CapacityExhausted, match="older admission"):
+                await m.place("b2", 2, admission=True)  # would leave 2 < 5
+            assert [g.block_ids for g in await m.place("b1", 1)] == [(2,)]  # growth: placed
+            await m.release("b1")
+            assert sum(g.n_blocks for g in await m.place("long", 5, admission=True)) == 5
+            assert [s for s, _ in m.admissions.waiting()] == ["b2"]
+            with pytest.raises(CapacityExhausted):
+                await m.place("b2", 2, admission=True)  # 1 free
+            await m.release("long")
+            assert sum(g.n_blocks for g in await m.place("b2", 2, admission=True)) == 2
+            assert m.admissions.waiting() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_long_prompt_on_one_instance_is_admitted_while_another_keeps_admitting_short_ones(
+    etcd_server, etcd_prefix, monkeypatch
+):
+    """Two compute instances' schedulers place through the served manager in one server of 6 rBlocks of 4
+    tokens. Instance B runs short sequences; instance A's 19-token prompt needs 5 rBlocks. Before claims,
+    each rBlock B freed went to B's next short sequence, and A's prompt waited for as long as B had work.
+    Now B's next admission waits behind A's older one; B's running sequence still grows, and A is admitted
+    as soon as it ends."""
+    from infinite_llm.core.dist_attention import DistAttention
+    from infinite_llm.core.sampling import SamplingParams
+    from infinite_llm.core.scheduler import Scheduler, SchedulerConfig, Sequence
+    from infinite_llm.services.compute import remote_kv
+
+    monkeypatch.setattr(remote_kv, "CAPACITY_REFRESH_S", 0.0)  # every capacity read asks the manager
+
+    def seq(sid: str, n_prompt: int, max_tokens: int) -> Sequence:
+        return Sequence(sid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, temperature=0))
+
+    async def scenario():
+        async with running_manager(etcd_server, etcd_prefix, make_servers({"a": 6})) as m, served(m) as stub:
+            instances = {}
+            for name in ("A", "B"):
+                placement = remote_kv.ManagerPlacement(stub.address, block_size=4, timeout_s=10.0, instance_id=name)
+                instances[name] = Scheduler(SchedulerConfig(8, 8), DistAttention(placement, None, block_size=4))
+
+            def step(name: str) -> list[str]:
+                """One step of instance ``name``: what it ran; a sequence ends when it has its tokens."""
+                sched = instances[name]
+                out = sched.schedule()
+                sched.mark_computed(out)
+                for s in out.scheduled:
+                    if s.samples:
+                        s.seq.output_token_ids.append(7)
+                        if len(s.seq.output_token_ids) == s.seq.params.max_tokens:
+                            sched.finish(s.seq, "length")
+                return [s.seq.seq_id for s in out.scheduled]
+
+            a_sched, b_sched = instances["A"], instances["B"]
+            b1, b2, a = seq("b1", 8, 2), seq("b2", 7, 1), seq("a", 19, 1)
+            await asyncio.to_thread(b_sched.add, b1)  # blocking calls: off the manager's event loop
+            assert await asyncio.to_thread(step, "B") == ["b1"]  # 2 rBlocks; 4 free
+            await asyncio.to_thread(a_sched.add, a)
+            assert await asyncio.to_thread(step, "A") == []  # needs 5: refused, claimed
+            await asyncio.to_thread(b_sched.add, b2)
+            # b1's decode grows it to a 3rd rBlock (3 free < a's 5: growth is not held back); b2's admission (2
+            # rBlocks) waits behind a's; b1 ends with its 2nd token, and its release frees all 6
+            assert await asyncio.to_thread(step, "B") == ["b1"]
+            assert list(b_sched.waiting) == [b2] and [s for s, _ in m.admissions.waiting()] == ["a", "b2"]
+            assert b1.status.name == "FINISHED" and (await m.cluster_state()).members[0].free_blocks == 6
+            assert await asyncio.to_thread(step, "A") == ["a"]  # the whole prompt's 5 rBlocks at once
+            assert await asyncio.to_thread(step, "B") == []  # 1 free: b2 still waits
+            while a.status.name != "FINISHED":
+                assert "a" in await asyncio.to_thread(step, "A")
+            assert await asyncio.to_thread(step, "B") == ["b2"]
+            assert a.num_preemptions == 0 and b_sched.num_preemptions == 0
+            await asyncio.to_thread(step, "B")
+            assert (await m.cluster_state()).ledger == {} and m.admissions.waiting() == []
+
+    asyncio.run(scenario())
