@@ -178,6 +178,15 @@ class ManagerMetrics:
         self.leader = Gauge(
             P + "manager_is_leader", "1 while this manager leads, 0 while it stands by", registry=registry
         )
+        # refused admissions waiting their turn, first come, first served across compute instances (admissions.py)
+        self.admission_claims = Gauge(
+            P + "admission_claims",
+            "Waiting sequences whose admission was refused and that hold later admissions back",
+            registry=registry,
+        )
+        self.admission_claimed_rblocks = Gauge(
+            P + "admission_claimed_rblocks", "rBlocks the waiting admission claims ask for", registry=registry
+        )
         # vLLM's kv_cache_usage_perc, over the whole pool: set_function'd by the servicer (live members only)
         self.kv_cache_usage = Gauge(
             P + "kv_cache_usage_perc",

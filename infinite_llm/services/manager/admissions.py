@@ -84,8 +84,10 @@ class AdmissionClaims:
         self._claims.pop(seq_id, None)
 
     def waiting(self) -> list[tuple[str, Claim]]:
-        """The claims, oldest first (including lapsed ones not yet expired by a ``check``)."""
-        return sorted(self._claims.items(), key=lambda kv: kv[1].since)
+        """The claims not lapsed, oldest first. Safe from another thread (a metrics scrape)."""
+        now = self._clock()
+        claims = [(s, c) for s, c in list(self._claims.items()) if now - c.renewed <= self.ttl_s]
+        return sorted(claims, key=lambda kv: kv[1].since)
 
     def _expire(self, now: float, capacity_blocks: int) -> None:
         for seq_id, c in list(self._claims.items()):

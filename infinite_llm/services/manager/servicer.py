@@ -29,6 +29,10 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         self.metrics = metrics or ManagerMetrics(CollectorRegistry())
         self.metrics.kv_cache_usage.set_function(self.kv_cache_usage)
         self.metrics.leader.set_function(lambda: float(manager.is_leader))
+        self.metrics.admission_claims.set_function(lambda: float(len(manager.admissions.waiting())))
+        self.metrics.admission_claimed_rblocks.set_function(
+            lambda: float(sum(c.n_blocks for _, c in manager.admissions.waiting()))
+        )
         manager.refusals.on_note = lambda kind: self.metrics.registrations_refused.labels(kind=kind).inc()
         self.reports = reports
         self._last_usage = 0.0

@@ -45,6 +45,7 @@ def test_a_claim_lapses_when_unrenewed_when_it_outgrows_the_cluster_and_stops_ho
     claims = AdmissionClaims(ttl_s=5, hold_s=30, clock=clock)
     claims.claim("gone", 5)
     clock.now += 5.5  # its instance stopped asking (aborted, died)
+    assert claims.waiting() == []  # lapsed (a scrape reads no stale claim)
     claims.check("other", 2, free_blocks=3, capacity_blocks=6)
     assert [s for s, _ in claims.waiting()] == []
 
@@ -131,6 +132,12 @@ def test_a_long_prompt_on_one_instance_is_admitted_while_another_keeps_admitting
             # rBlocks) waits behind a's; b1 ends with its 2nd token, and its release frees all 6
             assert await asyncio.to_thread(step, "B") == ["b1"]
             assert list(b_sched.waiting) == [b2] and [s for s, _ in m.admissions.waiting()] == ["a", "b2"]
+            metrics = stub.servicer.metrics
+            gauges = [g.collect()[0].samples[0] for g in (metrics.admission_claims, metrics.admission_claimed_rblocks)]
+            assert [(g.name, g.value) for g in gauges] == [
+                ("infinite_llm:admission_claims", 2),
+                ("infinite_llm:admission_claimed_rblocks", 5 + 2),
+            ]
             assert b1.status.name == "FINISHED" and (await m.cluster_state()).members[0].free_blocks == 6
             assert await asyncio.to_thread(step, "A") == ["a"]  # the whole prompt's 5 rBlocks at once
             assert await asyncio.to_thread(step, "B") == []  # 1 free: b2 still waits
