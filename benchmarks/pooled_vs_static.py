@@ -25,8 +25,9 @@ of completed requests over the wall time), requests completed and refused (the c
 them, or they failed), the longest context served (prompt + output tokens), migrations and KV bytes moved
 (the manager's ``migrations_total`` and ``migrated_bytes``), and what explains the figures: prompt tokens
 prefilled, the compute instances' mean running batch (their ``num_requests_running`` gauge, sampled every
-0.25 s while requests run) and mean inter-token latency (~ one decode step), and the mean round trip of one
-layer to an attention server (``attention_rpc_latency_seconds``). Then the migration cost at 32 tokens per
+0.25 s while requests run) and mean inter-token latency (~ one decode step), the mean round trip of one
+layer to an attention server (``attention_rpc_latency_seconds``), and the sequences preempted (their KV freed
+and recomputed: ``num_preemptions_total``). Then the migration cost at 32 tokens per
 step, and last the line ``pooled/static throughput X.XXx, longest context X.XXx``. SmolLM2-135M-Instruct
 fp32 on CPU by default. Run: ``.venv/bin/python benchmarks/pooled_vs_static.py [--short 24 --long 3]``.
 """
