@@ -12,7 +12,8 @@ Assumptions (also in the README, "The simulator"):
   admits FCFS (a head that does
   not fit blocks its queue, as vLLM's scheduler) up to ``max_num_seqs``, and reserves a request's whole
   context (prompt + output) at admission, so nothing is preempted. A request no placement could ever hold
-  (static: more than the home; pooled: more than the pool) is refused.
+  (static: more than the home; pooled: more than the pool) is refused. The manager's first come, first
+  served order across instances (:mod:`infinite_llm.services.manager.admissions`) is not modelled.
 - Throughput is output tokens per second over the saturated window (every instance has work waiting),
   leaving out the first quarter of the horizon (ramp-up). Each run also reports its regime (mean running
   batch, home KV used): the paper's pooled gain needs memory-bound instances (debtors) and instances with
