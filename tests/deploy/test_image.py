@@ -136,6 +136,13 @@ def test_image_runs_as_the_non_root_user_the_manifests_use(dockerfile, rendered)
                 assert spec["securityContext"]["runAsUser"] == 10001
 
 
+def test_the_cuda_image_shows_no_gpu_to_a_container_that_requests_none():
+    """The device plugin sets NVIDIA_VISIBLE_DEVICES for containers that request ``nvidia.com/gpu``; an image
+    default of ``all`` would show every GPU of a node whose default runtime is nvidia to the others."""
+    env = " ".join(r for w, r in instructions("Dockerfile.cuda") if w == "ENV")
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env and "NVIDIA_VISIBLE_DEVICES" not in env
+
+
 def test_package_builds_from_exactly_the_context_files(tmp_path: Path):
     """What ``pip install .`` does in the build stage, on the files the Dockerfile copies."""
     setuptools = pytest.importorskip("setuptools")

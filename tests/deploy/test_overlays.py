@@ -52,6 +52,11 @@ def test_gpu_gives_compute_and_attention_a_gpu_each(rendered):
         ]
     for name in ("manager", "router", "gateway"):
         assert gpus(one(docs, "Deployment", name)) is None
+    # a rollout must not wait for a spare GPU: no surge pod
+    assert one(docs, "Deployment", "compute")["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
     data = settings(docs)
     assert data["ATTENTION_DEVICE"] == "cuda" and parse_size(data["ATTENTION_KV_MEMORY"]) == 32 << 30
     assert arg_of(one(docs, "StatefulSet", "attention"), "--device") == "$(ATTENTION_DEVICE)"
