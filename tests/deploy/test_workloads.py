@@ -3,6 +3,8 @@ images, ``$(VAR)`` references and CLI flags that the image's ``infinite-llm`` re
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from kubernetes.utils import parse_quantity
 
@@ -222,7 +224,7 @@ def test_args_are_a_real_serve_command(rendered, render, component):
 
 
 @pytest.mark.parametrize("render,component", [c for c in cases() if c[1] not in ("state-store", "manager")])
-def test_model_users_get_the_model_from_the_init_step(rendered, render, component):
+def test_model_users_get_the_model_from_the_init_step(rendered, render, component, default_model_path):
     w = workload_of(rendered, render, component)
     spec, c = pod_spec(w), main_container(w)
     assert "--model=$(MODEL)" in c["args"]
@@ -241,6 +243,10 @@ def test_model_users_get_the_model_from_the_init_step(rendered, render, componen
     volumes = {v["name"]: v for v in spec["volumes"] if v["name"] != "tls"}  # tls: the role's Secret (test_tls.py)
     assert set(volumes) == {"models", "model-cache", "tmp"}
     assert all("emptyDir" in v for v in volumes.values())
+    # The scheduler counts the disk those emptyDirs fill: at least the model package, pip's unpacking of it
+    # and a copy in the cache (3x the model file), or pods land on nodes short of disk and are evicted.
+    disk = parse_quantity(c["resources"]["requests"]["ephemeral-storage"])
+    assert disk >= 3 * os.path.getsize(default_model_path), component
 
 
 @pytest.mark.parametrize("render", RENDERS)
