@@ -68,6 +68,7 @@ def test_render_has_the_whole_mesh(rendered, name):
         ("Deployment", "router"),
         ("Namespace", "infinite-llm"),
         ("NetworkPolicy", "attention"),
+        ("NetworkPolicy", "compute"),
         ("NetworkPolicy", "etcd"),
         ("NetworkPolicy", "manager"),
         ("Role", "manager-autoscaler"),

@@ -185,6 +185,7 @@ def test_network_policies_let_only_mesh_components_in(rendered, render):
     assert got == {
         # gRPC only from mesh components; the metrics port (no KV, no control) from any scraper.
         "attention": (["attention"], [(["attention", "compute", "manager"], ["grpc"]), ("anyone", ["metrics"])]),
+        "compute": (["compute"], [(["manager", "router"], ["grpc"]), ("anyone", ["metrics"])]),
         "manager": (
             ["manager"],
             [(["attention", "compute", "manager", "router"], ["grpc"]), ("anyone", ["metrics"])],
