@@ -32,7 +32,8 @@ def cluster_state(
 def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
     """The leading manager, servers (rBlocks used / free / capacity, cached prefix rBlocks, sequences; a server
     being drained reads ``<id> (draining)``), compute instances (homes, batch, queue, tokens held, debt), every
-    sequence's rBlocks per server, and the members the manager refused to register lately (if any)."""
+    sequence's rBlocks per server, the admissions waiting for KV memory and the members the manager refused
+    to register lately (each of the last two only if any)."""
     if state.manager_id:
         console.print(f"global manager: {state.manager_id} (leading for {state.leading_for_s:.0f} s)")
     servers = Table(title="attention servers")
@@ -68,8 +69,22 @@ def render_status(state: mpb.ClusterStateResponse, console: Console) -> None:
         placement = ", ".join(f"{s.server_id}: {s.num_blocks}" for s in e.shares)
         ledger.add_row(e.seq_id, e.instance_id or "-", str(n), placement)
     console.print(ledger)
+    if state.waiting_admissions:
+        console.print(waiting_table(state.waiting_admissions))
     if state.refused:
         console.print(refused_table(state.refused))
+
+
+def waiting_table(waiting: list[mpb.WaitingAdmission]) -> Table:
+    """Requests waiting for KV memory whose admission the manager refused, oldest first: later admissions
+    from every compute instance wait behind them (first come, first served across instances)."""
+    table = Table(title="waiting admissions", caption="first come, first served across compute instances")
+    for col in ("sequence", "instance", "rBlocks", "waiting", "holds later ones"):
+        table.add_column(col, justify="right" if col in ("rBlocks", "waiting") else "left", overflow="fold")
+    for w in waiting:
+        holds = "yes" if w.holding else "no"
+        table.add_row(w.seq_id, w.instance_id or "-", str(w.num_blocks), f"{w.waiting_s:.0f} s", holds)
+    return table
 
 
 def refused_table(refused: list[mpb.RefusedRegistration]) -> Table:

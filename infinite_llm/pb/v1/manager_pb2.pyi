@@ -212,20 +212,36 @@ class KVShare(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterStateResponse(_message.Message):
-    __slots__ = ("servers", "ledger", "compute_instances", "manager_id", "leading_for_s", "refused")
+    __slots__ = ("servers", "ledger", "compute_instances", "manager_id", "leading_for_s", "refused", "waiting_admissions")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     MANAGER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADING_FOR_S_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerState]
     ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     compute_instances: _containers.RepeatedCompositeFieldContainer[ComputeInstanceState]
     manager_id: str
     leading_for_s: float
     refused: _containers.RepeatedCompositeFieldContainer[RefusedRegistration]
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., compute_instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ..., manager_id: _Optional[str] = ..., leading_for_s: _Optional[float] = ..., refused: _Optional[_Iterable[_Union[RefusedRegistration, _Mapping]]] = ...) -> None: ...
+    waiting_admissions: _containers.RepeatedCompositeFieldContainer[WaitingAdmission]
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerState, _Mapping]]] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., compute_instances: _Optional[_Iterable[_Union[ComputeInstanceState, _Mapping]]] = ..., manager_id: _Optional[str] = ..., leading_for_s: _Optional[float] = ..., refused: _Optional[_Iterable[_Union[RefusedRegistration, _Mapping]]] = ..., waiting_admissions: _Optional[_Iterable[_Union[WaitingAdmission, _Mapping]]] = ...) -> None: ...
+
+class WaitingAdmission(_message.Message):
+    __slots__ = ("seq_id", "instance_id", "num_blocks", "waiting_s", "holding")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    instance_id: str
+    num_blocks: int
+    waiting_s: float
+    holding: bool
+    def __init__(self, seq_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., waiting_s: _Optional[float] = ..., holding: _Optional[bool] = ...) -> None: ...
 
 class RefusedRegistration(_message.Message):
     __slots__ = ("kind", "member_id", "address", "reason", "attempts", "first_refused_ago_s", "last_refused_ago_s")

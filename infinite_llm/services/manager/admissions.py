@@ -39,6 +39,7 @@ class Claim:
     n_blocks: int
     since: float
     renewed: float
+    owner: str = ""  # the compute instance that asked ('' = not told)
 
 
 class AdmissionClaims:
@@ -52,7 +53,7 @@ class AdmissionClaims:
         self.ttl_s, self.hold_s, self._clock = ttl_s, hold_s, clock
         self._claims: dict[str, Claim] = {}
 
-    def check(self, seq_id: str, n_blocks: int, free_blocks: int, capacity_blocks: int) -> None:
+    def check(self, seq_id: str, n_blocks: int, free_blocks: int, capacity_blocks: int, owner: str = "") -> None:
         """Admit ``seq_id``'s first ``n_blocks`` rBlocks only if ``free_blocks`` (the cluster's, of
         ``capacity_blocks`` in all) cover them and every older claim that still holds; else record (or renew)
         its claim and raise.
@@ -64,20 +65,29 @@ class AdmissionClaims:
         self._expire(now, capacity_blocks)
         mine = self._claims.get(seq_id)
         since = mine.since if mine is not None else now
-        older = [c for s, c in self._claims.items() if s != seq_id and c.since < since and now - c.since < self.hold_s]
+        older = [c for s, c in self._claims.items() if s != seq_id and c.since < since and self.holds(c, now)]
         need = sum(c.n_blocks for c in older)
         if older and free_blocks - n_blocks < need:
-            self.claim(seq_id, n_blocks)
+            self.claim(seq_id, n_blocks, owner)
             raise CapacityExhausted(
                 f"{len(older)} older admission(s) wait for {need} rBlocks; {free_blocks} are free, and this one "
                 f"asks for {n_blocks} (first come, first served across compute instances)"
             )
 
-    def claim(self, seq_id: str, n_blocks: int) -> None:
-        """Record that ``seq_id``'s admission of ``n_blocks`` rBlocks was refused (renew it if recorded)."""
+    def claim(self, seq_id: str, n_blocks: int, owner: str = "") -> None:
+        """Record that ``seq_id``'s admission of ``n_blocks`` rBlocks (for compute instance ``owner``) was
+        refused; renew it if recorded."""
         now = self._clock()
         mine = self._claims.get(seq_id)
-        self._claims[seq_id] = Claim(n_blocks, now if mine is None else mine.since, now)
+        self._claims[seq_id] = Claim(n_blocks, now if mine is None else mine.since, now, owner)
+
+    def holds(self, claim: Claim, now: float | None = None) -> bool:
+        """Whether ``claim`` still holds later admissions back (for ``hold_s`` after it was made)."""
+        return (self._clock() if now is None else now) - claim.since < self.hold_s
+
+    def now(self) -> float:
+        """This object's clock (``time.monotonic()`` unless a test gave another)."""
+        return self._clock()
 
     def drop(self, seq_id: str) -> None:
         """``seq_id`` was admitted: its claim ends (no-op without one)."""

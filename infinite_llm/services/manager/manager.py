@@ -425,11 +425,11 @@ class GlobalManager:
             if not admission:
                 return await self._place(seq_id, n_blocks, near, first_index, owner, identity)
             capacity, free = self.view.totals()
-            self.admissions.check(seq_id, n_blocks, free, capacity)
+            self.admissions.check(seq_id, n_blocks, free, capacity, owner)
             try:
                 grants = await self._place(seq_id, n_blocks, near, first_index, owner, identity)
             except CapacityExhausted:
-                self.admissions.claim(seq_id, n_blocks)
+                self.admissions.claim(seq_id, n_blocks, owner)
                 raise
             self.admissions.drop(seq_id)
             return grants

@@ -191,6 +191,16 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 first_refused_ago_s=now - r.first_at,
                 last_refused_ago_s=now - r.last_at,
             )
+        claims = self.manager.admissions
+        at = claims.now()
+        for seq_id, c in claims.waiting():
+            reply.waiting_admissions.add(
+                seq_id=seq_id,
+                instance_id=c.owner,
+                num_blocks=c.n_blocks,
+                waiting_s=at - c.since,
+                holding=claims.holds(c, at),
+            )
         return reply
 
     # ---- compute instances -----------------------------------------------------------------------

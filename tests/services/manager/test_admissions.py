@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rich.console import Console
 
 from infinite_llm.core.errors import CapacityExhausted
+from infinite_llm.pb.v1 import manager_pb2 as mpb
+from infinite_llm.services.admin import render_status
 from infinite_llm.services.manager.admissions import AdmissionClaims
 
 from .helpers import make_servers, running_manager
@@ -132,6 +135,19 @@ def test_a_long_prompt_on_one_instance_is_admitted_while_another_keeps_admitting
             # rBlocks) waits behind a's; b1 ends with its 2nd token, and its release frees all 6
             assert await asyncio.to_thread(step, "B") == ["b1"]
             assert list(b_sched.waiting) == [b2] and [s for s, _ in m.admissions.waiting()] == ["a", "b2"]
+            state = await stub.GetClusterState(mpb.ClusterStateRequest())
+            waiting = [(w.seq_id, w.instance_id, w.num_blocks, w.holding) for w in state.waiting_admissions]
+            assert waiting == [("a", "A", 5, True), ("b2", "B", 2, True)]
+            assert all(0 <= w.waiting_s < 10 for w in state.waiting_admissions)
+            console = Console(record=True, width=200)
+            render_status(state, console)
+            text = console.export_text()
+            assert "waiting admissions" in text and "first come, first served across compute instances" in text
+            lines = [ln.split() for ln in text.split("waiting admissions", 1)[1].splitlines()]
+            assert [ln[1:4] for ln in lines if ln[:1] == ["│"] and ln[1:2] in (["a"], ["b2"])] == [
+                ["a", "│", "A"],
+                ["b2", "│", "B"],
+            ]
             metrics = stub.servicer.metrics
             gauges = [g.collect()[0].samples[0] for g in (metrics.admission_claims, metrics.admission_claimed_rblocks)]
             assert [(g.name, g.value) for g in gauges] == [
