@@ -311,7 +311,9 @@ class DistAttention:
         self._tables[seq_id], self._spans[seq_id] = list(table), spans
 
     def free(self, seq_id: str) -> int:
-        """Free every rBlock of ``seq_id`` on every holder; returns the number freed (0 if none)."""
+        """Free every rBlock of ``seq_id`` on every holder; returns the number freed (0 if none). A sequence
+        with none ended while waiting: a placement that keeps claims of refused admissions (``drop_claim``,
+        the manager's placement) drops its claim."""
         with self._lock:
             self._released[seq_id] = self.placement_of(seq_id)
             while len(self._released) > 1024:  # kept for pop_placement only: bounded
@@ -321,7 +323,10 @@ class DistAttention:
         self._hashes.pop(seq_id, None)
         self._published.pop(seq_id, None)
         self._uncounted.pop(seq_id, None)
-        if not table:
+        if not table:  # it ended while waiting: a claim its refused admission left at the placement ends too
+            drop_claim = getattr(self.placement, "drop_claim", None)
+            if drop_claim is not None:
+                drop_claim(seq_id)
             return 0
         return self.placement.release(seq_id, holders)
 

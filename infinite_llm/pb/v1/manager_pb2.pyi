@@ -282,7 +282,7 @@ class RegisterComputeResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class HeartbeatComputeRequest(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held", "seq_ids", "reports_seq_ids", "num_steps", "mean_step_s", "migration_results", "address")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "num_tokens_held", "seq_ids", "reports_seq_ids", "num_steps", "mean_step_s", "migration_results", "address", "waiting_seq_ids", "reports_waiting_seq_ids")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,8 @@ class HeartbeatComputeRequest(_message.Message):
     MEAN_STEP_S_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_WAITING_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -303,7 +305,9 @@ class HeartbeatComputeRequest(_message.Message):
     mean_step_s: float
     migration_results: _containers.RepeatedCompositeFieldContainer[MigrationResult]
     address: str
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., reports_seq_ids: _Optional[bool] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ..., address: _Optional[str] = ...) -> None: ...
+    waiting_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    reports_waiting_seq_ids: bool
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_tokens_held: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., reports_seq_ids: _Optional[bool] = ..., num_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., migration_results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ..., address: _Optional[str] = ..., waiting_seq_ids: _Optional[_Iterable[str]] = ..., reports_waiting_seq_ids: _Optional[bool] = ...) -> None: ...
 
 class MigrationOrder(_message.Message):
     __slots__ = ("migration_id", "seq_id", "src_server_id", "src_address", "dst_server_id", "dst_address", "reservation_ids", "block_indices", "drain")

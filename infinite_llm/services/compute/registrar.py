@@ -40,6 +40,8 @@ class ComputeLoadReport:
     # Sequences it holds or is placing rBlocks for, for the manager's orphan reconciliation (None: not told;
     # the manager then reclaims none of its ledger entries for want of a listing).
     seq_ids: tuple[str, ...] | None = None
+    # Its waiting sequences whose admission the manager refused (their claims are renewed; None: not told)
+    waiting_seq_ids: tuple[str, ...] | None = None
 
 
 class ComputeRegistrar:
@@ -121,6 +123,8 @@ class ComputeRegistrar:
                 num_tokens_held=load.num_tokens_held,
                 seq_ids=load.seq_ids or (),
                 reports_seq_ids=load.seq_ids is not None,
+                waiting_seq_ids=load.waiting_seq_ids or (),
+                reports_waiting_seq_ids=load.waiting_seq_ids is not None,
                 num_steps=load.num_steps,
                 mean_step_s=load.mean_step_s,
                 migration_results=[result_to_proto(r) for r in results],

@@ -70,9 +70,22 @@ class ManagerPlacement:
         self._to_publish: list[mpb.PrefixBlock] = []  # full rBlocks of this step, sent by flush_published
         self._held: set[str] = set()
         self._admitted: set[str] = set()  # sequences placed since their last release: a Place grows them
+        self._claimed: set[str] = set()  # waiting sequences whose admission the manager refused (its claims)
         self._away_until = 0.0  # monotonic time until which the manager counts as away (no new retries)
         self._away_reason = ""  # what its last UNAVAILABLE said
         self._servers: dict[str, agrpc.AttentionServerStub] = {}
+
+    def claimed_seq_ids(self) -> list[str]:
+        """Waiting sequences whose admission the manager refused: each keeps a claim there, which heartbeats
+        renew while it waits. Thread-safe."""
+        with self._lock:
+            return sorted(self._claimed)
+
+    def drop_claim(self, seq_id: str) -> None:
+        """``seq_id`` ended while waiting (finished, aborted, failed): stop listing its claim, which the next
+        heartbeat then ends. Thread-safe; no-op without one."""
+        with self._lock:
+            self._claimed.discard(seq_id)
 
     def held_seq_ids(self) -> list[str]:
         """Sequences this instance holds, or is placing, rBlocks for. Thread-safe."""
@@ -184,6 +197,7 @@ class ManagerPlacement:
         Raises ``Unavailable`` when the manager stays unreachable through the retries, and at once for
         ``PLACE_RETRY_S`` after that (the other sequences of the step do not each wait the retries out).
         """
+        admission = seq_id not in self._admitted
         request = mpb.PlaceRequest(
             seq_id=seq_id,
             num_blocks=n,
@@ -191,7 +205,7 @@ class ManagerPlacement:
             block_size=self.block_size,
             instance_id=self.instance_id,
             near_server_id=near or "",
-            admission=seq_id not in self._admitted,
+            admission=admission,
         )
         try:
             refs, _ = self._grants_of(seq_id, "Place", request)
@@ -201,11 +215,16 @@ class ManagerPlacement:
                 # the cluster's at the next read of the view. Without this, a waiting sequence that needs
                 # more rBlocks than the view shows free asks the manager (MatchPrefix, Place) every step.
                 self._capacity = (self._capacity[0], 0, time.monotonic())
+                if admission:  # the manager keeps a claim for it while heartbeats list it
+                    with self._lock:
+                        self._claimed.add(seq_id)
                 return None
             raise error_from_rpc(e) from None
         if len(refs) != n:
             raise CapacityExhausted(f"manager placed {len(refs)} rBlocks for {seq_id!r}, not {n}")
         self._admitted.add(seq_id)
+        with self._lock:
+            self._claimed.discard(seq_id)
         return refs
 
     # ---- prefix cache (issue 13): the cluster's index lives in the manager ---------------------------

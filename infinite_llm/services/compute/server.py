@@ -165,7 +165,8 @@ async def serve(config: ComputeConfig, ready: asyncio.Event | None = None) -> No
     print(f"compute instance {config.instance_id} listening on {config.host}:{server.port}", flush=True)
     layout = kv_layout(engine.model_config, config)
     registrar = registrar_for(config, server.port, loop, kv.placement.held_seq_ids, codec.kv_layout_message(layout),
-                              on_refused=lambda reason: server.set_serving(reason is None))  # fmt: skip
+                              on_refused=lambda reason: server.set_serving(reason is None),
+                              claimed=kv.placement.claimed_seq_ids)  # fmt: skip
     migrations = migration_executor(loop, kv, config) if config.migration_tokens_per_step > 0 else None
     registrar.migrations = migrations
     registrar.start()
@@ -214,11 +215,13 @@ def registrar_for(
     held: Callable[[], list[str]] | None = None,
     layout: tensor_pb2.KVLayout | None = None,
     on_refused: Callable[[str | None], Awaitable[None]] | None = None,
+    claimed: Callable[[], list[str]] | None = None,
 ) -> ComputeRegistrar:
     """The instance's membership: its advertised ``host:port``, homes, the KV it needs (``layout``), and its
     loop's load on heartbeats (``held()``: the sequences it holds rBlocks for, for the manager's orphan
     reconciliation). ``on_refused``: as for :class:`ComputeRegistrar` (the server reports NOT_SERVING while
-    the manager refuses it)."""
+    the manager refuses it). ``claimed()``: its waiting sequences whose admission the manager refused (their
+    claims are renewed by each heartbeat)."""
     seen = [0, 0.0]  # steps and step seconds already reported
 
     def load() -> ComputeLoadReport:
@@ -226,9 +229,11 @@ def registrar_for(
         seen[:] = [loop.steps, loop.step_seconds]
         mean = seconds / steps if steps else 0.0
         held_now = None if held is None else tuple(held())
+        waiting = None if claimed is None else tuple(claimed())
         return ComputeLoadReport(
-            loop.num_running, loop.num_waiting, loop.num_tokens_held, steps, mean, seq_ids=held_now
-        )
+            loop.num_running, loop.num_waiting, loop.num_tokens_held, steps, mean, seq_ids=held_now,
+            waiting_seq_ids=waiting,
+        )  # fmt: skip
 
     return ComputeRegistrar(
         config.manager_address,

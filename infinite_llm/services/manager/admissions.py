@@ -8,10 +8,13 @@ and the long prompt's instance never sees enough free at once (nor do the reques
 So the leading manager keeps a **claim** for every admission it had to refuse: the sequence, the rBlocks it
 asked for, and when it first asked. A later admission, from any instance, is refused while placing it would
 leave fewer free rBlocks than the older claims need together; growth of running sequences (decodes, later
-prefill chunks) is never held back, so the memory drains. A claim ends when its sequence is admitted, when
-its instance stops asking for ``ttl_s`` (the request was aborted, the instance died), or when it asks for
-more than the cluster now holds in all; a release does not end it (a waiting sequence that matched a cached
-prefix releases it after each refused admission, and asks again). A claim stops holding others back
+prefill chunks) is never held back, so the memory drains. Each refused Place renews its claim, and so does
+every heartbeat of its compute instance that lists the sequence as waiting (a full cluster can keep an
+instance from asking for minutes). A claim ends when its sequence is admitted, when a heartbeat of its
+instance no longer lists it (the request ended while waiting), when nothing renewed it for ``ttl_s`` (the
+instance died; an older instance that lists nothing), or when it asks for more than the cluster now holds in
+all; a release does not end it (a waiting sequence that matched a cached prefix releases it after each
+refused admission, and asks again). A claim stops holding others back
 ``hold_s`` after it was made: one the planner cannot place anyway (lending forbidden) must not stall the
 cluster for good.
 
@@ -22,12 +25,15 @@ Source: vLLM's FCFS waiting queue, applied across instances (PAPER.md "Managers"
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from infinite_llm.core.errors import CapacityExhausted
 
-CLAIM_TTL_S = 5.0  # a claim its instance stopped renewing for this long is dropped (seconds; instances retry ~1 s)
+CLAIM_TTL_S = 5.0  # a claim nothing renewed for this long is dropped (seconds; at least 2 heartbeat intervals)
+# A heartbeat that does not list a claim renewed this recently leaves it: it may have been read just before
+# the refusal that made the claim (seconds).
+UNLISTED_GRACE_S = 1.0
 CLAIM_HOLD_S = 30.0  # a claim holds later admissions back for at most this long after it was made (seconds)
 
 
@@ -80,6 +86,23 @@ class AdmissionClaims:
         now = self._clock()
         mine = self._claims.get(seq_id)
         self._claims[seq_id] = Claim(n_blocks, now if mine is None else mine.since, now, owner)
+
+    def renew(self, owner: str, waiting: Iterable[str]) -> int:
+        """A heartbeat of compute instance ``owner`` lists its ``waiting`` sequences with claims: renew those,
+        and end its other claims (those renewed within ``UNLISTED_GRACE_S`` stay). Returns how many ended (a
+        lapsed claim is dropped, not counted)."""
+        now, listed, ended = self._clock(), set(waiting), 0
+        for seq_id, c in list(self._claims.items()):
+            if c.owner != owner:
+                continue
+            if now - c.renewed > self.ttl_s:  # lapsed already: not brought back (its turn is gone)
+                del self._claims[seq_id]
+            elif seq_id in listed:
+                c.renewed = now
+            elif now - c.renewed > UNLISTED_GRACE_S:
+                del self._claims[seq_id]
+                ended += 1
+        return ended
 
     def holds(self, claim: Claim, now: float | None = None) -> bool:
         """Whether ``claim`` still holds later admissions back (for ``hold_s`` after it was made)."""

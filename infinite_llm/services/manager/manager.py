@@ -28,7 +28,7 @@ from infinite_llm.core.errors import (
     PermissionDenied,
     Unavailable,
 )
-from infinite_llm.services.manager.admissions import AdmissionClaims
+from infinite_llm.services.manager.admissions import CLAIM_TTL_S, AdmissionClaims
 from infinite_llm.services.manager.capacity import CapacityView
 from infinite_llm.services.manager.computes import (
     ComputeInfo,
@@ -139,7 +139,9 @@ class GlobalManager:
         self.drains.on_uncached = self.prefix.note_uncached  # evicted cached rBlocks leave the index
         self.migrations.prefix_index = self.prefix.index  # moved shared rBlocks: the index follows them
         self.refusals = Refusals()  # registrations refused lately (another model, block size or identity)
-        self.admissions = AdmissionClaims()  # refused admissions, served first come, first served (Place)
+        # refused admissions, served first come, first served (Place); compute heartbeats (every third of the
+        # member TTL) renew them, so they outlive two
+        self.admissions = AdmissionClaims(ttl_s=max(CLAIM_TTL_S, config.member_ttl_s * 2 / 3))
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:

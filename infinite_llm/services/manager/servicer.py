@@ -217,6 +217,8 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         await self.manager.heartbeat_compute(request.instance_id, load)
         if self.reports is not None and request.reports_seq_ids:
             self.reports.compute(request.instance_id, request.seq_ids)
+        if request.reports_waiting_seq_ids:
+            self.manager.admissions.renew(request.instance_id, request.waiting_seq_ids)
         return await self._migrations(request)
 
     async def _migrations(self, request: mpb.HeartbeatComputeRequest) -> mpb.HeartbeatComputeResponse:

@@ -66,6 +66,22 @@ def test_a_claim_lapses_when_unrenewed_when_it_outgrows_the_cluster_and_stops_ho
         AdmissionClaims(ttl_s=0)
 
 
+def test_a_heartbeat_renews_its_instances_listed_claims_and_ends_the_unlisted_ones_after_a_grace():
+    clock = Clock()
+    claims = AdmissionClaims(ttl_s=5, hold_s=30, clock=clock)
+    claims.claim("a1", 3, owner="A")
+    claims.claim("a2", 3, owner="A")
+    claims.claim("b1", 3, owner="B")
+    clock.now += 0.5
+    assert claims.renew("A", []) == 0  # made 0.5 s ago: the heartbeat may have been read before the refusal
+    clock.now += 4
+    assert claims.renew("A", ["a1"]) == 1  # a2 ended (aborted while waiting); a1 renewed
+    clock.now += 4  # 8.5 s since made, 4 since renewed
+    assert [(s, c.owner, c.since) for s, c in claims.waiting()] == [("a1", "A", 100.0)]  # b1 lapsed; a1 kept its turn
+    assert claims.renew("B", ["b1"]) == 0  # a lapsed claim is not brought back
+    assert [s for s, _ in claims.waiting()] == ["a1"] and claims.renew("A", ["a1"]) == 0
+
+
 def test_the_manager_serves_admissions_in_order_and_never_holds_back_growth(etcd_server, etcd_prefix):
     async def scenario():
         async with running_manager(etcd_server, etcd_prefix, make_servers({"a": 6})) as m:
@@ -163,5 +179,56 @@ def test_a_long_prompt_on_one_instance_is_admitted_while_another_keeps_admitting
             assert a.num_preemptions == 0 and b_sched.num_preemptions == 0
             await asyncio.to_thread(step, "B")
             assert (await m.cluster_state()).ledger == {} and m.admissions.waiting() == []
+
+    asyncio.run(scenario())
+
+
+def test_heartbeats_keep_a_waiting_claim_through_a_full_cluster_and_end_it_once_its_request_ended(
+    etcd_server, etcd_prefix, monkeypatch
+):
+    """An instance that sees no free rBlock does not ask again, so a full cluster could let its claim lapse and
+    put it behind later ones. Its heartbeats (a real ``ComputeRegistrar``, every second at a 3 s member TTL)
+    list its claimed waiting sequences, which keeps the claim; once the request ends while waiting (aborted),
+    the next heartbeats end the claim, not the TTL."""
+    from infinite_llm.core.dist_attention import DistAttention
+    from infinite_llm.core.sampling import SamplingParams
+    from infinite_llm.core.scheduler import Scheduler, SchedulerConfig, Sequence
+    from infinite_llm.services.compute import remote_kv
+    from infinite_llm.services.compute.registrar import ComputeLoadReport, ComputeRegistrar
+
+    from .helpers import wait_for
+
+    monkeypatch.setattr(remote_kv, "CAPACITY_REFRESH_S", 0.0)
+
+    async def scenario():
+        async with (
+            running_manager(etcd_server, etcd_prefix, make_servers({"a": 6}), member_ttl_s=3) as m,
+            served(m) as stub,
+        ):
+            m.admissions = AdmissionClaims(ttl_s=1.5)  # lapses between two heartbeats' worth unless renewed
+            placement = remote_kv.ManagerPlacement(stub.address, block_size=4, timeout_s=10.0, instance_id="A")
+            sched = Scheduler(SchedulerConfig(8, 8), DistAttention(placement, None, block_size=4))
+            load = lambda: ComputeLoadReport(0, 1, 0, waiting_seq_ids=tuple(placement.claimed_seq_ids()))  # noqa: E731
+            registrar = ComputeRegistrar(stub.address, "A", "127.0.0.1:50070", load)
+            registrar.start()
+            try:
+                await asyncio.wait_for(registrar.registered.wait(), 5)
+                await m.place("other", 4, admission=True)
+                a = Sequence("a", list(range(1, 11)), SamplingParams(max_tokens=1, temperature=0))  # 3 rBlocks
+                await asyncio.to_thread(sched.add, a)
+                assert not (await asyncio.to_thread(sched.schedule)).scheduled  # 2 free: refused, claimed
+                assert placement.claimed_seq_ids() == ["a"]
+                await m.place("other", 2)  # "other" grows: the cluster is full
+                for _ in range(8):  # 4 s, > 2 TTLs, without another Place (no free rBlock: the head waits)
+                    assert not (await asyncio.to_thread(sched.schedule)).scheduled
+                    await asyncio.sleep(0.5)
+                assert [(s, c.owner) for s, c in m.admissions.waiting()] == [("a", "A")]
+                m.admissions.ttl_s = 60.0  # from here only a heartbeat can end it in time
+                await asyncio.to_thread(sched.finish, a, "abort")
+                assert placement.claimed_seq_ids() == []
+                ended = await wait_for(lambda: not m.admissions.waiting(), 5)
+                assert ended < 3.0  # the next heartbeats (each second), after 1 s of grace
+            finally:
+                await registrar.stop()
 
     asyncio.run(scenario())
