@@ -181,7 +181,7 @@ class ManagerMetrics:
         # refused admissions waiting their turn, first come, first served across compute instances (admissions.py)
         self.admission_claims = Gauge(
             P + "admission_claims",
-            "Waiting sequences whose admission was refused and that hold later admissions back",
+            "Waiting sequences whose admission was refused (each holds later admissions back for its first 30 s)",
             registry=registry,
         )
         self.admission_claimed_rblocks = Gauge(

@@ -5,20 +5,25 @@ take rBlocks from the same attention servers. Without a cluster-wide order, a lo
 instance can starve: whenever rBlocks free up, another instance admits its next short request into them,
 and the long prompt's instance never sees enough free at once (nor do the requests queued behind it there).
 
-So the leading manager keeps a **claim** for every admission it had to refuse: the sequence, the rBlocks it
-asked for, and when it first asked. A later admission, from any instance, is refused while placing it would
-leave fewer free rBlocks than the older claims need together; growth of running sequences (decodes, later
-prefill chunks) is never held back, so the memory drains. Each refused Place renews its claim, and so does
-every heartbeat of its compute instance that lists the sequence as waiting (a full cluster can keep an
-instance from asking for minutes). A claim ends when its sequence is admitted, when a heartbeat of its
-instance no longer lists it (the request ended while waiting), when nothing renewed it for ``ttl_s`` (the
-instance died; an older instance that lists nothing), or when it asks for more than the cluster now holds in
-all; a release does not end it (a waiting sequence that matched a cached prefix releases it after each
-refused admission, and asks again). A claim stops holding others back
-``hold_s`` after it was made: one the planner cannot place anyway (lending forbidden) must not stall the
-cluster for good.
+So the leading manager keeps a **claim** for every admission it had to refuse: the sequence, its compute
+instance, the rBlocks it asked for, and when it first asked. A later admission, from any instance, is refused
+while placing it would leave fewer free rBlocks than the older claims of *other* instances need together (an
+instance orders its own queue: a sequence it preempted asks before its waiting head, and must not wait for
+that head's claim). Growth of running sequences (decodes, later prefill chunks) is never held back, so the
+memory drains.
 
-Soft state, in the leader's memory only: a new leader starts with none and rebuilds them from refusals.
+Each refused Place renews its claim, and so does every heartbeat of its instance that lists the sequence as
+waiting (a full cluster can keep an instance from asking for minutes). A claim ends when its sequence is
+admitted; when a heartbeat of its instance no longer lists it (the request ended while waiting); when its
+instance deregisters; when nothing renewed it for ``ttl_s`` (the instance died; an older instance lists
+nothing); or when it asks for more than the cluster now holds in all. A release does not end it (a waiting
+sequence that matched a cached prefix releases it after each refused admission, and asks again). A claim
+stops holding others back ``hold_s`` after it was made: one the planner cannot place anyway (lending
+forbidden) must not stall the cluster for good.
+
+Soft state, in the leader's memory only: a new leading term starts with none and rebuilds them from
+refusals. The check and the placement after it are not one transaction across sequences: two admissions at
+once may both pass a check that only one of them would.
 Source: vLLM's FCFS waiting queue, applied across instances (PAPER.md "Managers": the gManager's global view).
 """
 
@@ -33,7 +38,7 @@ from infinite_llm.core.errors import CapacityExhausted
 CLAIM_TTL_S = 5.0  # a claim nothing renewed for this long is dropped (seconds; at least 2 heartbeat intervals)
 # A heartbeat that does not list a claim renewed this recently leaves it: it may have been read just before
 # the refusal that made the claim (seconds).
-UNLISTED_GRACE_S = 1.0
+UNLISTED_GRACE_S = 2.0
 CLAIM_HOLD_S = 30.0  # a claim holds later admissions back for at most this long after it was made (seconds)
 
 
@@ -71,7 +76,11 @@ class AdmissionClaims:
         self._expire(now, capacity_blocks)
         mine = self._claims.get(seq_id)
         since = mine.since if mine is not None else now
-        older = [c for s, c in self._claims.items() if s != seq_id and c.since < since and self.holds(c, now)]
+        older = [
+            c
+            for s, c in self._claims.items()
+            if s != seq_id and c.since < since and self.holds(c, now) and not (owner and c.owner == owner)
+        ]
         need = sum(c.n_blocks for c in older)
         if older and free_blocks - n_blocks < need:
             self.claim(seq_id, n_blocks, owner)
@@ -115,6 +124,15 @@ class AdmissionClaims:
     def drop(self, seq_id: str) -> None:
         """``seq_id`` was admitted: its claim ends (no-op without one)."""
         self._claims.pop(seq_id, None)
+
+    def drop_owner(self, owner: str) -> None:
+        """Compute instance ``owner`` left (deregistered): its claims end."""
+        for seq_id in [s for s, c in self._claims.items() if c.owner == owner]:
+            del self._claims[seq_id]
+
+    def reset(self) -> None:
+        """Forget every claim (a new leading term: claims are the leader's soft state)."""
+        self._claims.clear()
 
     def waiting(self) -> list[tuple[str, Claim]]:
         """The claims not lapsed, oldest first. Safe from another thread (a metrics scrape)."""

@@ -140,8 +140,9 @@ class GlobalManager:
         self.migrations.prefix_index = self.prefix.index  # moved shared rBlocks: the index follows them
         self.refusals = Refusals()  # registrations refused lately (another model, block size or identity)
         # refused admissions, served first come, first served (Place); compute heartbeats (every third of the
-        # member TTL) renew them, so they outlive two
-        self.admissions = AdmissionClaims(ttl_s=max(CLAIM_TTL_S, config.member_ttl_s * 2 / 3))
+        # member TTL) renew them: they outlive two missed ones
+        self.admissions = AdmissionClaims(ttl_s=max(CLAIM_TTL_S, float(config.member_ttl_s)))
+        self._claims_term: float | None = None  # the leading term the claims belong to (leading_since)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, acquire_timeout_s: float | None = None) -> None:
@@ -353,8 +354,10 @@ class GlobalManager:
         return await self.computes.heartbeat(instance_id, load)
 
     async def deregister_compute(self, instance_id: str) -> None:
-        """Remove a compute instance now. Raises NotFound if it is not registered."""
+        """Remove a compute instance now (and the claims of its waiting requests). Raises NotFound if it is
+        not registered."""
         await self.computes.deregister(instance_id)
+        self.admissions.drop_owner(instance_id)
 
     async def compute_instances(self, include_debts: bool = False) -> list[ComputeState]:
         """Live compute instances by id, with homes and last load; debts only if asked (reads the ledger)."""
@@ -424,12 +427,20 @@ class GlobalManager:
             check_id("near_server_id", near)
         self.leadership.fence()  # fail before reserving anything
         async with self._placing.hold(seq_id):
+            record = await self.ledger.read(seq_id)
+            self._check_owner(record, owner, identity)  # before a claim names the owner
             if not admission:
-                return await self._place(seq_id, n_blocks, near, first_index, owner, identity)
-            capacity, free = self.view.totals()
-            self.admissions.check(seq_id, n_blocks, free, capacity, owner)
+                return await self._place(seq_id, n_blocks, near, first_index, owner, record)
+            if self._claims_term != self.leadership.leading_since:  # claims of an earlier term are stale
+                self.admissions.reset()
+                self._claims_term = self.leadership.leading_since
+            placed = sum(n for _, n in record.entries)
+            retry = first_index is not None and placed > first_index  # its first attempt committed; reply lost
+            if not retry and not self.settling:  # settling: servers still registering, the view is partial
+                capacity, free = self.view.totals()
+                self.admissions.check(seq_id, n_blocks, free, capacity, owner)
             try:
-                grants = await self._place(seq_id, n_blocks, near, first_index, owner, identity)
+                grants = await self._place(seq_id, n_blocks, near, first_index, owner, record)
             except CapacityExhausted:
                 self.admissions.claim(seq_id, n_blocks, owner)
                 raise
@@ -437,10 +448,9 @@ class GlobalManager:
             return grants
 
     async def _place(
-        self, seq_id: str, n_blocks: int, near: str | None, first_index: int | None, owner: str, identity: str | None
+        self, seq_id: str, n_blocks: int, near: str | None, first_index: int | None, owner: str, record: LedgerRecord
     ) -> list[Grant]:
-        record = await self.ledger.read(seq_id)
-        self._check_owner(record, owner, identity)
+        """:meth:`place` once the caller read ``record`` (the sequence's ledger entry) and checked its owner."""
         placed = sum(n for _, n in record.entries)
         if first_index is None:
             first_index = placed

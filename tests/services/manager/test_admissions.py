@@ -66,15 +66,31 @@ def test_a_claim_lapses_when_unrenewed_when_it_outgrows_the_cluster_and_stops_ho
         AdmissionClaims(ttl_s=0)
 
 
+def test_an_instance_is_not_held_back_by_its_own_older_claims():
+    """An instance orders its own queue: a sequence it preempted goes back before its waiting head and asks
+    first; waiting for that head's claim as well would need both to fit at once."""
+    clock = Clock()
+    claims = AdmissionClaims(clock=clock)
+    claims.claim("head", 5, owner="A")
+    clock.now += 1
+    claims.check("preempted", 2, free_blocks=3, capacity_blocks=6, owner="A")
+    with pytest.raises(CapacityExhausted):
+        claims.check("other", 2, free_blocks=3, capacity_blocks=6, owner="B")
+    claims.drop_owner("A")  # A deregistered
+    assert [s for s, _ in claims.waiting()] == ["other"]
+    claims.reset()
+    assert claims.waiting() == []
+
+
 def test_a_heartbeat_renews_its_instances_listed_claims_and_ends_the_unlisted_ones_after_a_grace():
     clock = Clock()
     claims = AdmissionClaims(ttl_s=5, hold_s=30, clock=clock)
     claims.claim("a1", 3, owner="A")
     claims.claim("a2", 3, owner="A")
     claims.claim("b1", 3, owner="B")
-    clock.now += 0.5
-    assert claims.renew("A", []) == 0  # made 0.5 s ago: the heartbeat may have been read before the refusal
-    clock.now += 4
+    clock.now += 1.5
+    assert claims.renew("A", []) == 0  # made 1.5 s ago: the heartbeat may have been read before the refusal
+    clock.now += 3
     assert claims.renew("A", ["a1"]) == 1  # a2 ended (aborted while waiting); a1 renewed
     clock.now += 4  # 8.5 s since made, 4 since renewed
     assert [(s, c.owner, c.since) for s, c in claims.waiting()] == [("a1", "A", 100.0)]  # b1 lapsed; a1 kept its turn
@@ -99,6 +115,42 @@ def test_the_manager_serves_admissions_in_order_and_never_holds_back_growth(etcd
             await m.release("long")
             assert sum(g.n_blocks for g in await m.place("b2", 2, admission=True)) == 2
             assert m.admissions.waiting() == []
+            with pytest.raises(CapacityExhausted):
+                await m.place("c", 5, admission=True)  # 3 free: claimed
+            m.leadership.leading_since += 1e-3  # as when this manager lost the lead and took it again
+            await m.place("d", 1, admission=True)  # the claims of the earlier term are gone: placed
+            assert m.admissions.waiting() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_claim_names_only_an_owner_the_caller_speaks_for_and_a_retried_admission_is_not_held_back(
+    etcd_server, etcd_prefix
+):
+    """A caller naming another identity's instance is refused before any claim is made (it could otherwise
+    hold every admission back, or take over another instance's claim). An admission retried after its reply
+    was lost (the ledger has its rBlocks) is placed again idempotently, not refused for younger claims."""
+    from infinite_llm.core.errors import PermissionDenied
+    from infinite_llm.services.manager.computes import ComputeInfo
+
+    async def scenario():
+        async with running_manager(etcd_server, etcd_prefix, make_servers({"a": 6})) as m:
+            await m.register_compute(ComputeInfo("c0", "127.0.0.1:50070", ("a",), identity="CN=compute-0"))
+            await m.register_compute(ComputeInfo("c1", "127.0.0.1:50071", ("a",), identity="CN=compute-1"))
+            with pytest.raises(PermissionDenied):
+                await m.place("x", 7, owner="c0", identity="CN=compute-1", admission=True)
+            assert m.admissions.waiting() == []
+            await m.place("s", 2, first_index=0, owner="c0", identity="CN=compute-0", admission=True)
+            with pytest.raises(CapacityExhausted):
+                await m.place("long", 5, owner="c1", identity="CN=compute-1", admission=True)  # 4 free: claimed
+            with pytest.raises(PermissionDenied):  # not a claim under c0's name behind "long"
+                await m.place("y", 2, owner="c0", identity="CN=compute-1", admission=True)
+            assert [s for s, _ in m.admissions.waiting()] == ["long"]
+            # c0 never heard back about "s" and asks again: placed again (4 free - 2 < 5 would refuse a new one)
+            grants = await m.place("s", 2, first_index=0, owner="c0", identity="CN=compute-0", admission=True)
+            assert sum(g.n_blocks for g in grants) == 2 and (await m.cluster_state()).ledger["s"] == [("a", 2)]
+            await m.deregister_compute("c1")
+            assert m.admissions.waiting() == []  # its waiting requests went with it
 
     asyncio.run(scenario())
 
