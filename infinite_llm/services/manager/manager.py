@@ -357,7 +357,7 @@ class GlobalManager:
         """Remove a compute instance now (and the claims of its waiting requests). Raises NotFound if it is
         not registered."""
         await self.computes.deregister(instance_id)
-        self.admissions.drop_owner(instance_id)
+        self.admission_claims().drop_owner(instance_id)
 
     async def compute_instances(self, include_debts: bool = False) -> list[ComputeState]:
         """Live compute instances by id, with homes and last load; debts only if asked (reads the ledger)."""
@@ -431,21 +431,27 @@ class GlobalManager:
             self._check_owner(record, owner, identity)  # before a claim names the owner
             if not admission:
                 return await self._place(seq_id, n_blocks, near, first_index, owner, record)
-            if self._claims_term != self.leadership.leading_since:  # claims of an earlier term are stale
-                self.admissions.reset()
-                self._claims_term = self.leadership.leading_since
+            claims = self.admission_claims()
             placed = sum(n for _, n in record.entries)
             retry = first_index is not None and placed > first_index  # its first attempt committed; reply lost
             if not retry and not self.settling:  # settling: servers still registering, the view is partial
                 capacity, free = self.view.totals()
-                self.admissions.check(seq_id, n_blocks, free, capacity, owner)
+                claims.check(seq_id, n_blocks, free, capacity, owner)
             try:
                 grants = await self._place(seq_id, n_blocks, near, first_index, owner, record)
             except CapacityExhausted:
-                self.admissions.claim(seq_id, n_blocks, owner)
+                claims.claim(seq_id, n_blocks, owner)
                 raise
-            self.admissions.drop(seq_id)
+            claims.drop(seq_id)
             return grants
+
+    def admission_claims(self) -> AdmissionClaims:
+        """The claims of refused admissions (:mod:`.admissions`), emptied first if a new leading term began
+        since they were made (they are the leader's soft state)."""
+        if self._claims_term != self.leadership.leading_since:
+            self.admissions.reset()
+            self._claims_term = self.leadership.leading_since
+        return self.admissions
 
     async def _place(
         self, seq_id: str, n_blocks: int, near: str | None, first_index: int | None, owner: str, record: LedgerRecord

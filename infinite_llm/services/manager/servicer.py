@@ -32,7 +32,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         self.metrics.admission_claims.set_function(lambda: float(len(manager.admissions.waiting())))
         self.metrics.admission_claimed_rblocks.set_function(
             lambda: float(sum(c.n_blocks for _, c in manager.admissions.waiting()))
-        )
+        )  # a scrape's thread only reads (admission_claims() may reset them, on the event loop)
         manager.refusals.on_note = lambda kind: self.metrics.registrations_refused.labels(kind=kind).inc()
         self.reports = reports
         self._last_usage = 0.0
@@ -191,7 +191,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
                 first_refused_ago_s=now - r.first_at,
                 last_refused_ago_s=now - r.last_at,
             )
-        claims = self.manager.admissions
+        claims = self.manager.admission_claims()
         at = claims.now()
         for seq_id, c in claims.waiting():
             reply.waiting_admissions.add(
@@ -218,7 +218,7 @@ class GlobalManagerServicer(mgrpc.GlobalManagerServicer):
         if self.reports is not None and request.reports_seq_ids:
             self.reports.compute(request.instance_id, request.seq_ids)
         if request.reports_waiting_seq_ids:
-            self.manager.admissions.renew(request.instance_id, request.waiting_seq_ids)
+            self.manager.admission_claims().renew(request.instance_id, request.waiting_seq_ids)
         return await self._migrations(request)
 
     async def _migrations(self, request: mpb.HeartbeatComputeRequest) -> mpb.HeartbeatComputeResponse:
