@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 from infinite_llm.core.errors import CapacityExhausted
 
-CLAIM_TTL_S = 5.0  # a claim nothing renewed for this long is dropped (seconds; at least 2 heartbeat intervals)
+# A claim nothing renewed for this long is dropped (seconds). The manager uses the larger of this and its
+# member TTL: three compute heartbeat intervals.
+CLAIM_TTL_S = 5.0
 # A heartbeat that does not list a claim renewed this recently leaves it: it may have been read just before
 # the refusal that made the claim (seconds).
 UNLISTED_GRACE_S = 2.0
