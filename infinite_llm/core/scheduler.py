@@ -248,8 +248,9 @@ class Scheduler:
                 if not self.blocks.num_free_blocks:  # admitting needs a new rBlock: match no prefix in vain
                     break
                 self._match_prefix(seq)
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self._try_grow(seq, seq.num_tokens - seq.num_computed_tokens):  # every chunk's rBlocks
+                remaining = seq.num_tokens - seq.num_computed_tokens
+                num_new = min(remaining, budget)
+                if not self._try_grow(seq, remaining):  # every chunk's rBlocks, not only this step's
                     self._unmatch(seq)
                     break
             except REQUEST_ERRORS as e:
