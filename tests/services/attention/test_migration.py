@@ -285,17 +285,29 @@ def test_a_staged_import_is_read_by_no_step_until_committed_and_a_cancel_drops_i
     _assert_same_partials(steps, server_c, stub_c, chunks[0].header.block_ids, committed.block_ids)
 
 
-def test_an_import_whose_reservation_ended_mid_stream_writes_nothing(source, make_server):
+def test_an_import_whose_reservation_ended_mid_stream_writes_nothing(source, make_server, monkeypatch):
     """The manager cancelled the reservation (or it expired) while its data streamed in, and another sequence
     took those rBlocks: the import fails NOT_FOUND and the other sequence's KV is untouched."""
     stub_a, _ = source
-    _, stub_c = make_server(3, LAYOUT, "C")
+    server_c, stub_c = make_server(3, LAYOUT, "C")
     r = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="s", num_blocks=3), timeout=TIMEOUT)
     chunks = _export(stub_a)
     chunks[0].header.reservation_id = r.reservation_id
+    # The cancel must come after the server took the header: sent earlier (on its own HTTP/2 stream) it can
+    # arrive first, the import then fails at its header and returns while the stream below still runs.
+    holder, begun = server_c.servicer.holder, threading.Event()
+    begin_import = holder.begin_import
+
+    def begin_import_and_tell(*args):  # noqa: ANN002, ANN202
+        reservations = begin_import(*args)
+        begun.set()
+        return reservations
+
+    monkeypatch.setattr(holder, "begin_import", begin_import_and_tell)
 
     def stream():
         yield from chunks[:2]
+        assert begun.wait(TIMEOUT)
         stub_c.CancelReservation(pb.CancelReservationRequest(reservation_id=r.reservation_id), timeout=TIMEOUT)
         other = stub_c.ReserveBlocks(pb.ReserveBlocksRequest(seq_id="o", num_blocks=3), timeout=TIMEOUT)
         assert sorted(other.block_ids) == sorted(r.block_ids)
