@@ -2,6 +2,7 @@
 
 import asyncio
 import re
+import threading
 import time
 
 import grpc
@@ -20,6 +21,9 @@ from infinite_llm.rpc.server import Service, start_server
 SERVICE = "infinite_llm.v1.AttentionServer"
 
 
+SLOW_STARTED = threading.Event()  # set when a FreeSequence of "slow" reached its handler
+
+
 class ProbeServicer(pb_grpc.AttentionServerServicer):
     """A real AttentionServer implementation whose methods misbehave on purpose."""
 
@@ -33,6 +37,7 @@ class ProbeServicer(pb_grpc.AttentionServerServicer):
         if request.seq_id == "bug":
             raise RuntimeError("boom")
         if request.seq_id == "slow":
+            SLOW_STARTED.set()
             await asyncio.sleep(0.5)
         return pb.FreeSequenceResponse(num_freed=7)
 
@@ -146,8 +151,9 @@ def test_aio_channel_forwards_the_request_id_and_sets_a_default_deadline(loop, s
 def test_graceful_stop_lets_in_flight_calls_finish_and_refuses_new_ones(loop, server):
     with sync_channel(f"127.0.0.1:{server.port}") as ch:
         stub = pb_grpc.AttentionServerStub(ch)
+        SLOW_STARTED.clear()
         in_flight = stub.FreeSequence.future(pb.FreeSequenceRequest(seq_id="slow"), timeout=10)
-        time.sleep(0.1)
+        assert SLOW_STARTED.wait(10)  # in flight: its handler runs (the channel connects lazily)
         loop.run(server.stop(grace=5))
         assert in_flight.result().num_freed == 7
         assert _code(stub.FreeSequence, pb.FreeSequenceRequest(seq_id="ok"))[0] == grpc.StatusCode.UNAVAILABLE

@@ -257,7 +257,7 @@ def test_heartbeats_keep_a_waiting_claim_through_a_full_cluster_and_end_it_once_
             running_manager(etcd_server, etcd_prefix, make_servers({"a": 6}), member_ttl_s=3) as m,
             served(m) as stub,
         ):
-            m.admissions = AdmissionClaims(ttl_s=1.5)  # lapses between two heartbeats' worth unless renewed
+            m.admissions = AdmissionClaims(ttl_s=2.5)  # lapses within 6 s unless heartbeats (each second) renew it
             placement = remote_kv.ManagerPlacement(stub.address, block_size=4, timeout_s=10.0, instance_id="A")
             sched = Scheduler(SchedulerConfig(8, 8), DistAttention(placement, None, block_size=4))
             load = lambda: ComputeLoadReport(0, 1, 0, waiting_seq_ids=tuple(placement.claimed_seq_ids()))  # noqa: E731
@@ -271,7 +271,7 @@ def test_heartbeats_keep_a_waiting_claim_through_a_full_cluster_and_end_it_once_
                 assert not (await asyncio.to_thread(sched.schedule)).scheduled  # 2 free: refused, claimed
                 assert placement.claimed_seq_ids() == ["a"]
                 await m.place("other", 2)  # "other" grows: the cluster is full
-                for _ in range(8):  # 4 s, > 2 TTLs, without another Place (no free rBlock: the head waits)
+                for _ in range(12):  # 6 s, > 2 TTLs, without another Place (no free rBlock: the head waits)
                     assert not (await asyncio.to_thread(sched.schedule)).scheduled
                     await asyncio.sleep(0.5)
                 assert [(s, c.owner) for s, c in m.admissions.waiting()] == [("a", "A")]
@@ -279,7 +279,7 @@ def test_heartbeats_keep_a_waiting_claim_through_a_full_cluster_and_end_it_once_
                 await asyncio.to_thread(sched.finish, a, "abort")
                 assert placement.claimed_seq_ids() == []
                 ended = await wait_for(lambda: not m.admissions.waiting(), 5)
-                assert ended < 3.0  # the next heartbeats (each second), after 1 s of grace
+                assert ended < 5.0  # the next heartbeats (each second), after 2 s of grace; not the 60 s TTL
             finally:
                 await registrar.stop()
 

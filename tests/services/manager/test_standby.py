@@ -109,11 +109,25 @@ def test_clients_follow_the_lead_from_a_lost_leader_to_its_hot_standby(etcd_serv
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(c, 15) == 0
         assert not b.done() and await _health(b_port, MANAGER_SERVICE) == SERVING
-        # A manager without --standby waiting for the lead (up to its acquire timeout) stops at once too.
-        d = asyncio.create_task(
-            serve(manager_process_config(etcd_server, etcd_prefix, free_port(), acquire_timeout_s=60))
-        )
-        await asyncio.sleep(1.0)  # connected to etcd, its signal handlers installed, campaigning in vain
+        # A manager without --standby waiting for the lead (up to its acquire timeout) stops at once too. The
+        # signal goes once its handler is installed (after it connected to etcd): before, c's would take it.
+        loop, installed = asyncio.get_running_loop(), asyncio.Event()
+        add_signal_handler = loop.add_signal_handler
+
+        def add_and_tell(sig, callback, *args):  # noqa: ANN001, ANN002, ANN202
+            add_signal_handler(sig, callback, *args)
+            if sig == signal.SIGTERM:
+                installed.set()
+
+        loop.add_signal_handler = add_and_tell
+        try:
+            d = asyncio.create_task(
+                serve(manager_process_config(etcd_server, etcd_prefix, free_port(), acquire_timeout_s=60))
+            )
+            await asyncio.wait_for(installed.wait(), 30)
+        finally:
+            del loop.add_signal_handler
+        await asyncio.sleep(0.2)  # campaigning in vain (a signal before that stops it just the same)
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(d, 5) == 0
         assert not b.done() and await _health(b_port, MANAGER_SERVICE) == SERVING

@@ -23,10 +23,12 @@ from infinite_llm.services.router.servicer import RouterServicer
 
 class Compute(cgrpc.ComputeInstanceServicer):
     """``mode``: "ok" answers two messages; "dead" fails UNAVAILABLE at once; "dies" after one message;
-    "slow" answers after a second; "lost" fails with ``KVMemoryLost`` at once. Remembers the request ids it was sent."""
+    "slow" answers once ``release`` is set; "lost" fails with ``KVMemoryLost`` at once. Remembers the request ids
+    it was sent."""
 
     def __init__(self, mode: str) -> None:
         self.mode, self.ids = mode, []
+        self.release = asyncio.Event()
 
     async def Generate(self, request: gpb.GenerateRequest, context):  # noqa: N802, ANN001
         self.ids.append(request.request_id)
@@ -35,7 +37,7 @@ class Compute(cgrpc.ComputeInstanceServicer):
         if self.mode == "lost":
             raise KVMemoryLost("the KV memory shrank to 4 rBlocks")
         if self.mode == "slow":
-            await asyncio.sleep(1.0)
+            await asyncio.wait_for(self.release.wait(), 10)
         yield gpb.GenerateResponse(request_id=request.request_id, token_ids=[1], text="a")
         if self.mode == "dies":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "compute instance gone")
@@ -117,10 +119,14 @@ def test_a_request_id_already_in_flight_is_refused():
     async def scenario():
         async with _mesh("slow") as ((slow,), _, stub):
             first = asyncio.ensure_future(stub.Generate(_request("req-d"), timeout=10))
-            await asyncio.sleep(0.3)
+            for _ in range(500):  # until the compute instance has it: the router holds the id
+                if slow.ids:
+                    break
+                await asyncio.sleep(0.01)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Generate(_request("req-d"), timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            slow.release.set()
             assert (await first).finish_reason == "length" and slow.ids == ["req-d"]
 
     asyncio.run(scenario())
