@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from infinite_llm.cli_options import target_option
 from infinite_llm.cli_tls import Insecure, TlsDir, load_cli_tls
 from infinite_llm.core.config import DEFAULT_BLOCK_SIZE
 from infinite_llm.core.errors import CapacityExhausted, InfiniteLLMError, InvalidRequest, NotFound
@@ -109,7 +110,10 @@ def generate(
             "--prefix-caching/--no-prefix-caching", help="Reuse the KV of full rBlocks of an earlier identical prefix."
         ),
     ] = True,
-    router: Annotated[str | None, typer.Option(help="Send the request through the mesh's router at HOST:PORT.")] = None,
+    router: Annotated[
+        str | None,
+        typer.Option(help="Send the request through the mesh's router at HOST:PORT.", callback=target_option),
+    ] = None,
     tls_dir: TlsDir = None,
     insecure: Insecure = False,
     api_key: Annotated[

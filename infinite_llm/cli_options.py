@@ -27,12 +27,29 @@ DTYPE_NAMES = {
 }
 
 Host = Annotated[str, typer.Option(help="Interface to listen on.")]
+PORT_RANGE = {"min": 0, "max": 65535}  # typer.Option bounds of every port flag: exit 2 beyond them
+
+
+def target_option(value: str | list[str] | None) -> str | list[str] | None:
+    """Callback of a flag naming gRPC targets (HOST:PORT, dns:///NAME:PORT, ...): refuse a port above 65535,
+    which gRPC would wrap around (exit 2)."""
+    from infinite_llm.rpc.options import check_target
+
+    for target in [value] if isinstance(value, str) else value or []:
+        if target:
+            try:
+                check_target(target)
+            except ValueError as e:
+                raise typer.BadParameter(str(e)) from None
+    return value
+
+
 # A manager client's target: one manager, or all of them (hot standbys: the calls go to the one that leads)
 MANAGER_TARGET_HELP = (
     "Global manager HOST:PORT, or a gRPC target naming every manager (dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): "
     "calls go to the leader."
 )
-ManagerTarget = Annotated[str, typer.Option(help=MANAGER_TARGET_HELP)]
+ManagerTarget = Annotated[str, typer.Option(help=MANAGER_TARGET_HELP, callback=target_option)]
 Model = Annotated[str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")]
 BlockSize = Annotated[int, typer.Option(help="Tokens per rBlock (must match across the mesh).")]
 Transport = Annotated[
@@ -60,7 +77,7 @@ PrefixCaching = Annotated[
 ]
 
 
-MetricsPort = Annotated[int, typer.Option(help="Serve Prometheus /metrics on this HTTP port (0 = off).")]
+MetricsPort = Annotated[int, typer.Option(help="Serve Prometheus /metrics on this HTTP port (0 = off).", **PORT_RANGE)]
 ShutdownGrace = Annotated[
     float,
     typer.Option(

@@ -16,6 +16,7 @@ import typer
 
 from infinite_llm.cli_options import (
     API_KEY_ENV,
+    PORT_RANGE,
     BlockSize,
     Device,
     Host,
@@ -31,6 +32,7 @@ from infinite_llm.cli_options import (
     kv_memory_option,
     size_option,
     split_ids,
+    target_option,
     torch_dtype,
     transport_option,
 )
@@ -47,12 +49,13 @@ def serve_attention(
     kv_memory: Annotated[str, typer.Option(help="KV memory of this server, e.g. 64MiB or 2GiB.")] = "256MiB",
     server_id: Annotated[str, typer.Option(help="Stable identity (registration key).")] = "attn-0",
     host: Host = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port (0 = any free one).")] = 50060,
+    port: Annotated[int, typer.Option(help="gRPC port (0 = any free one).", **PORT_RANGE)] = 50060,
     manager: Annotated[
         str,
         typer.Option(
             help="Global manager HOST:PORT to register with ('' = none), or a gRPC target naming every manager "
-            "(dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): calls go to the leader."
+            "(dns:///NAME:PORT, ipv4:IP1:PORT,IP2:PORT): calls go to the leader.",
+            callback=target_option,
         ),
     ] = "",
     advertise_host: Annotated[str, typer.Option(help="Host others reach this server at (default --host).")] = "",
@@ -121,7 +124,7 @@ def serve_manager(
         ),
     ] = None,
     host: Host = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port.")] = 50050,
+    port: Annotated[int, typer.Option(help="gRPC port.", **PORT_RANGE)] = 50050,
     manager_id: Annotated[str, typer.Option(help="Identity in the leader election.")] = "manager-0",
     standby: Annotated[
         bool,
@@ -234,7 +237,7 @@ def serve_manager(
 def serve_compute(
     manager: ManagerTarget = "127.0.0.1:50050",
     host: Host = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port.")] = 50070,
+    port: Annotated[int, typer.Option(help="gRPC port.", **PORT_RANGE)] = 50070,
     instance_id: Annotated[str, typer.Option(help="Identity: its registration with the manager, logs, stats.")] = (
         "compute-0"
     ),
@@ -329,18 +332,22 @@ def serve_router(
         str,
         typer.Option(
             help="Global manager HOST:PORT (or a target naming every manager, as for serve compute): send requests "
-            "to the compute instances it lists."
+            "to the compute instances it lists.",
+            callback=target_option,
         ),
     ] = "",
     compute: Annotated[
         list[str] | None,
-        typer.Option(help="A static compute instance HOST:PORT, or dns:///SERVICE:PORT for every pod (repeatable)."),
+        typer.Option(
+            help="A static compute instance HOST:PORT, or dns:///SERVICE:PORT for every pod (repeatable).",
+            callback=target_option,
+        ),
     ] = None,
     discovery_interval: Annotated[
         float, typer.Option(help="Seconds between two reads of the manager's list of compute instances.")
     ] = 1.0,
     host: Host = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
+    port: Annotated[int, typer.Option(help="Public gRPC port.", **PORT_RANGE)] = 50051,
     model: Model = None,
     metrics_port: MetricsPort = 0,
     api_key: Annotated[
@@ -381,9 +388,9 @@ def serve_router(
 
 @serve_app.command("gateway")
 def serve_gateway(
-    router: Annotated[str, typer.Option(help="Router HOST:PORT.")] = "127.0.0.1:50051",
+    router: Annotated[str, typer.Option(help="Router HOST:PORT.", callback=target_option)] = "127.0.0.1:50051",
     host: Host = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    port: Annotated[int, typer.Option(help="HTTP port.", **PORT_RANGE)] = 8000,
     api_key: Annotated[
         str | None,
         typer.Option(envvar=API_KEY_ENV, help="Require 'Authorization: Bearer <key>' on /v1 (default: none)."),

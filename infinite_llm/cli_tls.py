@@ -39,6 +39,8 @@ HealthPort = Annotated[
         help="With mTLS: also answer grpc.health.v1 (only) in plaintext on this port, for Kubernetes' gRPC "
         "probes, which cannot present a certificate (0 = off).",
         rich_help_panel="Security",
+        min=0,
+        max=65535,
     ),
 ]
 Insecure = Annotated[

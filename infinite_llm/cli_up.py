@@ -15,6 +15,7 @@ from rich.table import Table
 
 from infinite_llm.cli_options import (
     API_KEY_ENV,
+    PORT_RANGE,
     BlockSize,
     Model,
     PrefixCaching,
@@ -36,8 +37,8 @@ def up(
     attention_servers: Annotated[int, typer.Option(help="Attention servers to start.")] = 3,
     compute_instances: Annotated[int, typer.Option(help="Compute instances to start.")] = 1,
     kv_memory: Annotated[str, typer.Option(help="KV memory per attention server, e.g. 64MiB.")] = "64MiB",
-    port: Annotated[int, typer.Option(help="Router port.")] = 50051,
-    manager_port: Annotated[int, typer.Option(help="Manager port (0 = any free one).")] = 50050,
+    port: Annotated[int, typer.Option(help="Router port.", **PORT_RANGE)] = 50051,
+    manager_port: Annotated[int, typer.Option(help="Manager port (0 = any free one).", **PORT_RANGE)] = 50050,
     standby_managers: Annotated[
         int,
         typer.Option(
@@ -47,7 +48,9 @@ def up(
     ] = 0,
     model: Model = None,
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
-    gateway_port: Annotated[int, typer.Option(help="OpenAI-compatible REST gateway port (0 = any free one).")] = 8000,
+    gateway_port: Annotated[
+        int, typer.Option(help="OpenAI-compatible REST gateway port (0 = any free one).", **PORT_RANGE)
+    ] = 8000,
     transport: Transport = "grpc",
     dtype: Annotated[
         str,

@@ -189,3 +189,51 @@ def test_model_with_router_names_the_model_the_router_must_serve(default_model_p
     assert asked["model"] is None  # no --model: whichever model the router serves
     assert CliRunner().invoke(app, [*argv[:-1], "gpt-4"]).exit_code == 0
     assert asked["model"] == "gpt-4"  # a name unknown here: the router judges it
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["serve", "router", "--insecure", "--port", "99999"], "--port"),  # before: listened on 34463
+        (["serve", "compute", "--insecure", "--metrics-port", "70000"], "--metrics-port"),
+        (["serve", "attention", "--insecure", "--health-port", "-1"], "--health-port"),
+        (["up", "--manager-port", "70000"], "--manager-port"),  # before: an OverflowError traceback
+        (["up", "--gateway-port", "-1"], "--gateway-port"),
+        (["serve", "router", "--insecure", "--manager", "127.0.0.1:99999"], "--manager"),
+        (["serve", "router", "--insecure", "--compute", "ipv4:127.0.0.1:1,127.0.0.1:65536"], "--compute"),
+        (["serve", "gateway", "--insecure", "--router", "[::1]:70000"], "--router"),
+        (
+            ["generate", "--insecure", "--router", "127.0.0.1:99999", "--prompt", "hi"],
+            "--router",
+        ),  # before: dialled 34463
+        (["status", "--manager", "dns:///manager:99999"], "--manager"),
+    ],
+)
+def test_a_port_out_of_range_is_refused_naming_its_flag(argv, flag):
+    """gRPC wraps a port above 65535 around (99999 -> 34463, perhaps another service): every port flag and
+    every flag naming a gRPC target refuses one, before anything starts (exit 2)."""
+    from typer.testing import CliRunner
+
+    from infinite_llm.cli import app
+
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}'" in result.output, result.output
+
+
+def test_targets_are_checked_the_same_way_by_channels_and_the_sdk():
+    from infinite_llm.client import Client, InvalidRequest
+    from infinite_llm.rpc.channels import sync_channel
+    from infinite_llm.rpc.options import check_target
+
+    for good in ("127.0.0.1:65535", "dns:///manager.ns.svc:50050", "ipv4:10.0.0.1:1,10.0.0.2:2", "[::1]:0", "::1"):
+        assert check_target(good) == good
+    with pytest.raises(ValueError, match="port 65536 is out of range"):
+        check_target("ipv4:10.0.0.1:1,10.0.0.2:65536")
+    with pytest.raises(ValueError, match="empty"):
+        check_target(" ")
+    with pytest.raises(ValueError, match="port 99999"):
+        sync_channel("127.0.0.1:99999", tls=None)
+    with pytest.raises(InvalidRequest, match="port 99999") as info:
+        Client("127.0.0.1:99999", tls=None)
+    assert info.value.param == "target"

@@ -21,6 +21,6 @@ pass ``temperature=0`` for greedy output, which ``infinite-llm generate`` gives 
 
 from infinite_llm.client import errors
 from infinite_llm.client.errors import *  # noqa: F403 (every typed error, as errors.__all__ lists them)
-from infinite_llm.client.sdk import AsyncClient, Client, Completion, CompletionChunk
+from infinite_llm.client.sdk import AsyncClient, Client, Completion, CompletionChunk, ModelCard
 
-__all__ = ["AsyncClient", "Client", "Completion", "CompletionChunk", *errors.__all__]  # noqa: PLE0604
+__all__ = ["AsyncClient", "Client", "Completion", "CompletionChunk", "ModelCard", *errors.__all__]  # noqa: PLE0604

@@ -41,7 +41,7 @@ from infinite_llm.core.logprobs import TokenLogprob
 from infinite_llm.pb.v1 import generate_pb2 as gpb
 from infinite_llm.pb.v1 import router_pb2 as rpb
 from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
-from infinite_llm.rpc.options import MAX_MESSAGE_BYTES, channel_options
+from infinite_llm.rpc.options import MAX_MESSAGE_BYTES, channel_options, check_target
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, client_tls
 from infinite_llm.services.generate_codec import logprob_from_proto, sampling_to_proto
 
@@ -177,6 +177,19 @@ def _credentials(
     return credentials, [*channel_options(), *identity.channel_options(), *retries]
 
 
+@dataclass(frozen=True)
+class ModelCard:
+    """A model the router serves: ``id``, ``max_model_len`` (prompt + completion, tokens), ``owned_by``."""
+
+    id: str
+    max_model_len: int
+    owned_by: str
+
+
+def _cards(reply: rpb.ListModelsResponse) -> list[ModelCard]:
+    return [ModelCard(m.id, m.max_model_len, m.owned_by) for m in reply.models]
+
+
 class _RouterChannel:
     """The channel and Router stub both clients open: ``grpc`` (blocking) or ``grpc.aio`` (``_grpc``)."""
 
@@ -190,6 +203,10 @@ class _RouterChannel:
         api_key: str | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
     ) -> None:
+        try:
+            check_target(target)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="target") from None
         credentials, options = _credentials(tls, api_key, max_retries)
         self._plaintext = credentials is None
         if credentials is None:
@@ -271,8 +288,12 @@ class Client(_RouterChannel):
             raise self._error(e) from None
 
     def list_models(self, timeout: float = 10.0) -> list[str]:
+        return [card.id for card in self.model_cards(timeout)]
+
+    def model_cards(self, timeout: float = 10.0) -> list[ModelCard]:
+        """The served models with their context length (``ListModels``)."""
         try:
-            return [m.id for m in self._stub.ListModels(rpb.ListModelsRequest(), timeout=_timeout(timeout)).models]
+            return _cards(self._stub.ListModels(rpb.ListModelsRequest(), timeout=_timeout(timeout)))
         except grpc.RpcError as e:
             raise self._error(e) from None
 
@@ -342,9 +363,11 @@ class AsyncClient(_RouterChannel):
             raise self._error(e) from None
 
     async def list_models(self, timeout: float = 10.0) -> list[str]:
+        return [card.id for card in await self.model_cards(timeout)]
+
+    async def model_cards(self, timeout: float = 10.0) -> list[ModelCard]:
+        """The served models with their context length (``ListModels``)."""
         try:
-            return [
-                m.id for m in (await self._stub.ListModels(rpb.ListModelsRequest(), timeout=_timeout(timeout))).models
-            ]
+            return _cards(await self._stub.ListModels(rpb.ListModelsRequest(), timeout=_timeout(timeout)))
         except grpc.RpcError as e:
             raise self._error(e) from None

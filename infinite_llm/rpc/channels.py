@@ -16,7 +16,7 @@ import grpc
 
 from infinite_llm.core.errors import DeadlineExceeded
 from infinite_llm.rpc.interceptors import DefaultDeadlineInterceptor, RequestIdClientInterceptor
-from infinite_llm.rpc.options import DEFAULT_TIMEOUT_S, channel_options, merged
+from infinite_llm.rpc.options import DEFAULT_TIMEOUT_S, channel_options, check_target, merged
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, resolve
 
 
@@ -30,9 +30,11 @@ def aio_channel(
 ) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``target`` (``host:port``) with the shared options: mTLS with ``tls``
     (default: the process's identity; ``None``: plaintext). ``extra_options`` override shared ones.
+    Raises ``ValueError`` for a port out of range (:func:`~infinite_llm.rpc.options.check_target`).
 
     Calls without a ``timeout`` get ``timeout_s`` seconds; calls carry the current request id.
     """
+    check_target(target)
     chain = [RequestIdClientInterceptor(), DefaultDeadlineInterceptor(timeout_s), *interceptors]
     identity = resolve(tls)
     if identity is None:
@@ -46,6 +48,7 @@ def sync_channel(
 ) -> grpc.Channel:
     """A blocking channel with the shared options (tools, tests); pass ``timeout=`` on each call.
     ``tls``: as for :func:`aio_channel`."""
+    check_target(target)
     identity = resolve(tls)
     if identity is None:
         return grpc.insecure_channel(target, options=merged(channel_options(), extra_options))

@@ -6,6 +6,7 @@ Sizes are bytes, times are seconds unless the option name says ``_ms``.
 from __future__ import annotations
 
 import json
+import re
 
 # A prefill chunk's AttendStream layer carries queries [tokens, heads, head_dim] plus new K/V: 2048 tokens of a
 # 32-head, 128-dim fp32 model is ~32 MiB of queries alone. gRPC's default receive limit (4 MiB) would
@@ -130,3 +131,23 @@ def serving_only(service: str = MANAGER_SERVICE) -> Options:
 def merged(*option_lists: Options) -> Options:
     """The options of every list, a later list's value winning for a name they share."""
     return list({name: value for options in option_lists for name, value in options}.items())
+
+
+_TRAILING_PORT = re.compile(r":(\d+)$")
+
+
+def check_target(target: str) -> str:
+    """Return ``target`` (a gRPC target: ``host:port``, ``[v6]:port``, ``dns:///name:port``,
+    ``ipv4:a:port,b:port``) unless one of its addresses names a port above 65535, which gRPC would not
+    refuse but wrap (99999 dials 34463, perhaps another service).
+
+    Raises:
+        ValueError: a port out of range, or an empty target.
+    """
+    if not target.strip():
+        raise ValueError("the target is empty: give HOST:PORT")
+    for address in target.split(","):
+        port = _TRAILING_PORT.search(address.strip())
+        if port is not None and int(port.group(1)) > 65535:
+            raise ValueError(f"{target!r}: port {int(port.group(1))} is out of range (0 to 65535)")
+    return target

@@ -13,15 +13,9 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import grpc
-
 from infinite_llm.client import AsyncClient
 from infinite_llm.client.sdk import Completion, CompletionChunk
 from infinite_llm.core.errors import InfiniteLLMError, ModelNotFound, Unavailable
-from infinite_llm.pb.v1 import router_pb2 as rpb
-from infinite_llm.pb.v1 import router_pb2_grpc as rgrpc
-from infinite_llm.rpc.errors import error_from_rpc
-from infinite_llm.rpc.options import channel_options
 from infinite_llm.rpc.tls import FROM_PROCESS, TlsArg, client_tls
 
 CARDS_TTL_S = 30.0  # the served model never changes under a running router; refresh now and then anyway
@@ -44,39 +38,29 @@ class RouterBackend:
         self.tls = client_tls(tls, role="gateway")
         self.tokenizer = tokenizer
         self._client: AsyncClient | None = None
-        self._channel: grpc.aio.Channel | None = None
         self._cards: tuple[float, list[ServedModel]] | None = None
 
-    def _connect(self) -> tuple[AsyncClient, rgrpc.RouterStub]:
+    def _connect(self) -> AsyncClient:
         if self._client is None:
             self._client = AsyncClient(self.router_address, tls=self.tls)
-            if self.tls is None:
-                self._channel = grpc.aio.insecure_channel(self.router_address, options=channel_options())
-            else:
-                options = [*channel_options(), *self.tls.channel_options()]
-                self._channel = grpc.aio.secure_channel(self.router_address, self.tls.channel_credentials(), options)
-        return self._client, rgrpc.RouterStub(self._channel)
+        return self._client
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()
-            await self._channel.close()
-            self._client = self._channel = None
+            self._client = None
 
     # ---- models -------------------------------------------------------------------------------------
     async def models(self, fresh: bool = False, timeout_s: float = 10.0) -> list[ServedModel]:
         """The router's model cards; raises ``Unavailable`` (or another typed error) when it does not answer."""
         if not fresh and self._cards is not None and time.monotonic() - self._cards[0] < CARDS_TTL_S:
             return self._cards[1]
-        _, stub = self._connect()
-        try:
-            reply = await stub.ListModels(rpb.ListModelsRequest(), timeout=timeout_s)
-        except grpc.RpcError as e:
-            err = error_from_rpc(e)
-            if isinstance(err, Unavailable):
-                raise Unavailable(f"the mesh is unavailable: router {self.router_address}: {err.message}") from None
-            raise err from None
-        cards = [ServedModel(m.id, m.max_model_len, m.owned_by) for m in reply.models]
+        try:  # through the SDK: a router restarting is retried as for generation
+            cards = [
+                ServedModel(c.id, c.max_model_len, c.owned_by) for c in await self._connect().model_cards(timeout_s)
+            ]
+        except Unavailable as e:
+            raise Unavailable(f"the mesh is unavailable: router {self.router_address}: {e.message}") from None
         self._cards = (time.monotonic(), cards)
         return cards
 
@@ -91,7 +75,7 @@ class RouterBackend:
 
     # ---- generation ---------------------------------------------------------------------------------
     async def generate(self, prompt: list[int], request_id: str, model: str, **sampling) -> Completion:
-        client, _ = self._connect()
+        client = self._connect()
         try:
             return await client.generate(prompt, request_id=request_id, model=model, **sampling)
         except InfiniteLLMError as e:
@@ -101,7 +85,7 @@ class RouterBackend:
         self, prompt: list[int], request_id: str, model: str, **sampling
     ) -> AsyncIterator[CompletionChunk]:
         """Chunks of one request; closing the iterator (or cancelling its task) cancels it in the mesh."""
-        client, _ = self._connect()
+        client = self._connect()
         chunks = client.stream(prompt, request_id=request_id, model=model, **sampling)
         try:
             async for chunk in chunks:
