@@ -95,6 +95,7 @@ def up(
         **_config_file(ctx),
     )
     _refuse_busy_ports(config)  # before anything starts (a busy port would fail only at the gateway, ~20 s in)
+    _refuse_kv_memory_without_an_rblock(config)  # likewise: the first attention server would, after etcd and manager
     _refuse_a_bad_api_key()  # likewise: the router and the gateway would refuse it only once the rest is up
     if insecure:
         load_cli_tls("client", None, insecure=True)  # says loudly that the mesh is plaintext
@@ -164,6 +165,30 @@ def _refuse_busy_ports(config) -> None:  # noqa: ANN001
                 f"stop it or choose another port with {flag}",
                 param_hint=flag,
             )
+
+
+def _refuse_kv_memory_without_an_rblock(config) -> None:  # noqa: ANN001
+    """Exit 2 naming ``--kv-memory`` when an attention server's KV memory cannot hold one rBlock of the model
+    (the check each attention server makes at startup). A model that cannot be found or fetched is left to the
+    services, which say why in their logs."""
+    from infinite_llm.core.errors import InfiniteLLMError
+    from infinite_llm.models.registry import load_model_config, resolve_model
+    from infinite_llm.services.attention.server import AttentionServerConfig
+
+    try:
+        model = load_model_config(resolve_model(config.model))
+    except (InfiniteLLMError, OSError, ValueError):
+        return
+    try:
+        AttentionServerConfig.for_model(
+            model,
+            server_id="attn-0",
+            kv_memory_bytes=config.kv_memory_bytes,
+            block_size=config.block_size,
+            dtype=config.dtype or "float32",  # serve attention's default KV dtype
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-memory") from None
 
 
 def _refuse_a_bad_api_key() -> None:

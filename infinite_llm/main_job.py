@@ -144,17 +144,21 @@ def ask(mesh: LocalMesh, ids: list[int], a: argparse.Namespace, prompt_tokens: i
     end = time.perf_counter()
     out.print()
     assert last is not None and first is not None
-    table = Table(title=f"where the request's {sum(last.placement.values())} rBlocks lived")
+    n = last.completion_tokens
+    table = Table(
+        title=f"where the request's {sum(last.placement.values())} rBlocks lived",
+        caption=f"{prompt_tokens + n} tokens held in all; an rBlock holds {a.block_size} (the last ones partly, "
+        "or none yet: placement runs a few rBlocks ahead)",
+    )
     table.add_column("attention server")
     table.add_column("rBlocks", justify="right")
-    table.add_column("tokens", justify="right")
-    for server, n in sorted(last.placement.items()):
-        table.add_row(server, str(n), str(n * a.block_size))
+    table.add_column("room for tokens", justify="right")
+    for server, blocks in sorted(last.placement.items()):
+        table.add_row(server, str(blocks), str(blocks * a.block_size))
     out.print(table)
-    n = last.completion_tokens
     out.print(
         f"prompt {prompt_tokens} tokens, prefill (time to first token) {first - start:.2f} s; "
-        f"{n} new tokens in {end - first:.2f} s after the first: "
+        f"{n} new tokens, the {n - 1} after the first in {end - first:.2f} s: "
         f"{(n - 1) / max(end - first, 1e-9):.1f} tokens/s (finish: {last.finish_reason})"
     )
     return 0

@@ -121,9 +121,12 @@ def test_up_with_a_busy_port_exits_2_naming_it_before_starting_anything(flag, tm
     [
         (["--dtype", "float64"], "unknown dtype 'float64'; use float32, bfloat16 or float16"),
         (["--device", "cuda"], "Invalid value for --device: 'cuda': this machine has no CUDA device"),
+        # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 16 tokens x K and V x 4 bytes = 720 KiB per rBlock
+        (["--kv-memory", "0"], "Invalid value for --kv-memory: kv_memory 0B holds no rBlock: one takes 720.0KiB"),
+        (["--kv-memory", "719KiB"], "kv_memory 719.0KiB holds no rBlock: one takes 720.0KiB"),
     ],
 )
-def test_up_with_a_dtype_or_device_it_cannot_use_exits_2_before_starting_anything(args, says, tmp_path):
+def test_up_with_a_dtype_device_or_kv_memory_it_cannot_use_exits_2_before_starting_anything(args, says, tmp_path):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
     env = {**os.environ, "TMPDIR": str(tmp_path), "COLUMNS": "250"}
