@@ -98,8 +98,10 @@ def generate(
     ] = None,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     block_size: Annotated[int, typer.Option(help="Tokens per rBlock.")] = DEFAULT_BLOCK_SIZE,
-    kv_blocks: Annotated[int, typer.Option(help="rBlocks of KV memory in all.")] = 2048,
-    num_partitions: Annotated[int, typer.Option(help="DistAttention partitions (1 = plain paged attention).")] = 1,
+    kv_blocks: Annotated[int, typer.Option(help="rBlocks of KV memory in all.", min=1)] = 2048,
+    num_partitions: Annotated[
+        int, typer.Option(help="DistAttention partitions (1 = plain paged attention).", min=1)
+    ] = 1,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (the single-process engine).")] = "cpu",
     enforce_eager: Annotated[
         bool, typer.Option(help="On CUDA, run decode eagerly instead of replaying CUDA graphs (debugging).")
@@ -148,6 +150,11 @@ def generate(
         seed=seed,
         stop=tuple(stop or ()),
     )
+    if kv_blocks < num_partitions:
+        raise typer.BadParameter(
+            f"{kv_blocks} rBlocks for {num_partitions} partitions: each partition needs at least one",
+            param_hint="--kv-blocks",
+        )
     config = EngineConfig(
         block_size=block_size,
         num_kv_blocks=kv_blocks,

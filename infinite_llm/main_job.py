@@ -37,10 +37,10 @@ class BadInput(ValueError):
 
 
 def read_document(doc: str) -> str:
-    """The document's text. Raises ``BadInput`` when it is missing, not a regular file, unreadable, not
-    UTF-8 text, or empty."""
+    """The document's text (a UTF-8 byte order mark dropped). Raises ``BadInput`` when it is missing, not a
+    regular file, unreadable, not UTF-8 text, or empty."""
     try:
-        with open(doc, encoding="utf-8") as f:
+        with open(doc, encoding="utf-8-sig") as f:
             text = f.read()
     except FileNotFoundError:
         raise BadInput(f"--doc {doc}: no such file") from None

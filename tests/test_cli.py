@@ -237,3 +237,21 @@ def test_targets_are_checked_the_same_way_by_channels_and_the_sdk():
     with pytest.raises(InvalidRequest, match="port 99999") as info:
         Client("127.0.0.1:99999", tls=None)
     assert info.value.param == "target"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--kv-blocks", "0"], "Invalid value for '--kv-blocks'"),
+        (["--num-partitions", "0"], "Invalid value for '--num-partitions'"),
+        (["--kv-blocks", "2", "--num-partitions", "3"], "Invalid value for --kv-blocks: 2 rBlocks for 3 partitions"),
+    ],
+)
+def test_kv_blocks_and_partitions_are_checked_against_the_flags_not_the_engine_configs_fields(args, says):
+    from typer.testing import CliRunner
+
+    from infinite_llm.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "--prompt", "hi", *args])
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.replace("│", " ").split()), result.output

@@ -38,9 +38,10 @@ def test_a_binary_file_is_not_utf8_text(capsys, tmp_path: Path):
     assert bad(capsys, "--doc", str(doc)) == f"error: --doc {doc}: not UTF-8 text (byte 11 cannot be decoded)"
 
 
-def test_an_empty_document_is_refused(capsys, tmp_path: Path):
+@pytest.mark.parametrize("content", [b" \n\t\n", b"\xef\xbb\xbf", b"\xef\xbb\xbf \n"])  # blank, a lone byte order mark
+def test_an_empty_document_is_refused(capsys, tmp_path: Path, content: bytes):
     doc = tmp_path / "blank.txt"
-    doc.write_text(" \n\t\n", encoding="utf-8")
+    doc.write_bytes(content)
     assert bad(capsys, "--doc", str(doc)) == f"error: --doc {doc}: the document is empty"
 
 

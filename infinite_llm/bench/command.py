@@ -184,6 +184,7 @@ def bench(
         "timeout_s": timeout,
     }
     requests = _prepare(the_target, dataset, dataset_path, settings, question)
+    settings["model"] = the_target.served_model()  # what ran, also when the requests named none
     sampling = _sampling(temperature, ignore_eos, seed)
     records, duration = asyncio.run(_run(the_target, requests, sampling, load, progress))
     _report(records, duration, settings, output_json, json_output)
@@ -217,8 +218,9 @@ def _prepare(
                 if dataset is DatasetKind.synthetic:
                     return datasets.synthetic(codec, n, settings["input_len"], out_len, ratio, seed)
                 return datasets.long_doc(codec, text, n, settings["input_len"], out_len, ratio, seed, question)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--dataset-path / --input-len") from None
+    except ValueError as e:  # a jsonl file's own fault names its flag alone; cutting prompts involves both
+        flags = "--dataset-path" if dataset is DatasetKind.jsonl else "--dataset-path / --input-len"
+        raise typer.BadParameter(str(e), param_hint=flags) from None
     except TargetError as e:
         err.print(f"[red]error:[/red] {e}", highlight=False)
         raise typer.Exit(1) from None

@@ -43,6 +43,9 @@ class Target(Protocol):
     def prompt_codec(self, sample_text: str) -> AbstractContextManager[PromptCodec]:
         """The codec datasets cut prompts with (``sample_text``: the text they will be cut from)."""
 
+    def served_model(self) -> str | None:
+        """The model the run uses, for its record (None: the target does not say)."""
+
     async def __aenter__(self) -> Target: ...
 
     async def __aexit__(self, *exc: object) -> None: ...
@@ -86,9 +89,21 @@ class RouterTarget:
                 except InvalidRequest as e:  # the text is more than the model could ever take: ask for less
                     raise ValueError(f"the router refuses the prompts' text: {describe_error(e)}") from e
                 except InfiniteLLMError as e:
-                    raise TargetError(f"the router at {self.address} does not tokenize: {describe_error(e)}") from e
+                    raise TargetError(
+                        f"the router at {self.address} did not tokenize the prompts: {describe_error(e)}"
+                    ) from e
 
             yield TokenCodec(tokenize)
+
+    def served_model(self) -> str | None:
+        """The model the requests name, else the first one the router serves (None if it does not say)."""
+        if self.model:
+            return self.model
+        try:
+            with Client(self.address, tls=self.tls, api_key=self.api_key) as client:
+                return next(iter(client.list_models(timeout=PREPARE_TIMEOUT_S)), None)
+        except InfiniteLLMError:
+            return None
 
     async def __aenter__(self) -> RouterTarget:
         self._client = AsyncClient(self.address, tls=self.tls, api_key=self.api_key)
@@ -174,6 +189,17 @@ class GatewayTarget:
         except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
             raise TargetError(f"the gateway at {self.address} answered the probe without usage: {e!r}") from e
         yield WordCodec(tokens_per_word)
+
+    def served_model(self) -> str | None:
+        """The model the requests name, else the first one ``GET /v1/models`` lists (None if it does not say)."""
+        if self.model:
+            return self.model
+        try:
+            with httpx.Client(trust_env=False, timeout=PREPARE_TIMEOUT_S, headers=self._headers) as http:
+                reply = http.get(f"{self.address}/models")
+            return reply.json()["data"][0]["id"] if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            return None
 
     async def __aenter__(self) -> GatewayTarget:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no queueing in the client

@@ -330,7 +330,7 @@ def report_lines(report: ModelReport, single_shape: str) -> list[str]:
     for trace in ("short", "long"):
         p, s, g = r[(trace, "pooled")], r[(trace, "static")], r[(trace, "single")]
         lines.append(
-            f"  {trace}: pooled {p.tokens_per_s:,.0f} tok/s (migrations {p.migrations}), static "
+            f"  {trace}: pooled {p.tokens_per_s:,.0f} tok/s (migrations {p.migrations}, refused {p.refused}), static "
             f"{s.tokens_per_s:,.0f} tok/s (refused {s.refused}), single {g.tokens_per_s:,.0f} tok/s; "
             f"prompt+output {p.all_tokens_per_s:,.0f} / {s.all_tokens_per_s:,.0f} / {g.all_tokens_per_s:,.0f} tok/s"
         )
@@ -388,9 +388,10 @@ def regime_note(pooled: SimResult, static: SimResult, max_num_seqs: int) -> str:
             f"static instances run batch {static.mean_batch:.0f} of {max_num_seqs} at home KV {static.home_used:.0%}"
         )
     if static.refused > pooled.refused:
+        more = static.refused - pooled.refused
         notes.append(
-            f"static refused {static.refused - pooled.refused} requests larger than a home that pooled serves "
-            "(their prefill and memory count against pooled's output tokens)"
+            f"static refused {more} more request{'s' if more > 1 else ''} than pooled: larger than a home, which "
+            "pooled serves (their prefill and memory count against pooled's output tokens)"
         )
     return "; ".join(notes)
 

@@ -37,7 +37,7 @@ def test_an_unreachable_router_exits_1_before_sending_anything():
     args = ["bench", "--target", f"127.0.0.1:{free_port()}", "--num-requests", "1", "--insecure"]
     result = runner.invoke(app, args)
     assert result.exit_code == 1
-    assert "does not tokenize: Unavailable" in result.output
+    assert "did not tokenize the prompts: Unavailable" in " ".join(result.output.split())
 
 
 def test_an_input_len_the_model_cannot_take_exits_2_naming_the_flag(router_address):
@@ -48,4 +48,15 @@ def test_an_input_len_the_model_cannot_take_exits_2_naming_the_flag(router_addre
     flat = " ".join(result.output.replace("│", " ").split())
     assert result.exit_code == 2, result.output
     assert "Invalid value for --dataset-path / --input-len: the router refuses the prompts' text: " in flat
-    assert "does not tokenize" not in flat
+    assert "did not tokenize" not in flat
+
+
+def test_a_jsonl_file_that_is_not_json_exits_2_naming_only_its_flag(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("not json\n")
+    args = ["bench", "--dataset", "jsonl", "--dataset-path", str(path), "--target", f"127.0.0.1:{free_port()}"]
+    result = runner.invoke(app, [*args, "--insecure"])
+    flat = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --dataset-path: " in flat and "not JSON (Expecting value)" in flat, flat
+    assert "--input-len" not in flat

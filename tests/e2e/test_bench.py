@@ -44,6 +44,7 @@ def table_value(stdout: str, label: str) -> str:
 
 def check_result(result: dict, backend: str) -> None:
     assert result["backend"] == backend
+    assert result["model"] == "SmolLM2-135M-Instruct"  # what the mesh serves: the requests named no model
     assert (result["completed"], result["failed"], result["errors"]) == (4, 0, {})
     assert result["total_output_tokens"] == 4 * 8
     assert result["output_throughput"] == pytest.approx(32 / result["duration_s"])

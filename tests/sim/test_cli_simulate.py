@@ -39,9 +39,9 @@ def test_simulate_refuses_an_unknown_setting_and_a_calibration_for_another_model
 # mesh_overhead.py), so on 2 tiny instances pooling serves longer contexts but slower than static.
 EXPECTED_TINY = [
     "smollm2-135m: 2 instances of TP=1 (2,048 KV tokens each, pool 4,096); single TP=1 x PP=1 (4,096)",
-    "  short: pooled 37 tok/s (migrations 1), static 59 tok/s (refused 3), single 34 tok/s; "
+    "  short: pooled 37 tok/s (migrations 1, refused 2), static 59 tok/s (refused 3), single 34 tok/s; "
     "prompt+output 145 / 252 / 168 tok/s",
-    "  long: pooled 19 tok/s (migrations 0), static 49 tok/s (refused 4), single 25 tok/s; "
+    "  long: pooled 19 tok/s (migrations 0, refused 2), static 49 tok/s (refused 4), single 25 tok/s; "
     "prompt+output 167 / 269 / 173 tok/s",
     "  short open-loop (highest rate sustained with p90 queueing delay <= 30 s): pooled 0.0546 req/s, 15 tok/s "
     "(p90 wait 26.0 s, mean batch 1, home KV used 79%); static 0.156 req/s, 31 tok/s (p90 wait 29.2 s, mean "
@@ -49,8 +49,8 @@ EXPECTED_TINY = [
     "  short regime: mean batch 3 / 2 / 3 of 8, home KV used 79% / 73% / 78% (pooled / static / single)",
     "  long regime: mean batch 2 / 2 / 2 of 8, home KV used 93% / 75% / 76% (pooled / static / single)",
     "  pooled/static short 0.63x (paper 1.35-1.73x): 53% below the paper's range",
-    "    why: static instances run batch 2 of 8 at home KV 73%; static refused 1 requests larger than a home "
-    "that pooled serves (their prefill and memory count against pooled's output tokens)",
+    "    why: static instances run batch 2 of 8 at home KV 73%; static refused 1 more request than pooled: "
+    "larger than a home, which pooled serves (their prefill and memory count against pooled's output tokens)",
     "  pooled/static short, open-loop 0.49x (paper 1.35-1.73x): 64% below the paper's range",
     "  pooled/single short 1.10x (paper 1.4-5.3x): 22% below the paper's range",
     "  pooled/single long 0.73x (paper 1.4-3.4x): 48% below the paper's range",

@@ -143,8 +143,8 @@ def test_regime_note_names_a_memory_bound_static_cluster_and_refusals():
     note = regime_note(result(0, 250.0, 0.4), result(2, 240.0, 0.3), 256)
     assert note.startswith("static instances are batch-capped (batch 240 of 256, home KV 30% used)")
     assert note.endswith(
-        "static refused 2 requests larger than a home that pooled serves (their prefill and memory "
-        "count against pooled's output tokens)"
+        "static refused 2 more requests than pooled: larger than a home, which pooled serves (their prefill and "
+        "memory count against pooled's output tokens)"
     )
 
 

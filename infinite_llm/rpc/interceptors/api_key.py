@@ -67,7 +67,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return
         token = bearer_token(context)
         if token is None:
-            raise Unauthenticated("no API key; send metadata 'authorization: Bearer <key>'")
+            raise Unauthenticated(
+                "no API key; send metadata 'authorization: Bearer <key>' (the SDK's api_key=, the CLI's --api-key "
+                "or INFINITE_LLM_API_KEY)"
+            )
         if not any(secrets.compare_digest(token.encode(), key) for key in self.api_keys):
             raise Unauthenticated("incorrect API key")
 

@@ -202,6 +202,8 @@ def install_metrics(app: FastAPI) -> None:
         # The matched route's template, never the raw path: a path parameter (a model id) would make a new
         # label per request, without bound.
         template = getattr(request.scope.get("route"), "path", "")
+        if not template and request.url.path in getattr(app.state, "static_routes", ()):
+            template = request.url.path  # answered before routing (a declared body over the limit: 413)
         route = template if template.startswith("/v1/") else "other"
         requests.labels(route=route, status=str(response.status_code)).inc()
         latency.labels(route=route).observe(time.perf_counter() - start)
@@ -270,4 +272,5 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     app.include_router(v1)
+    app.state.static_routes = frozenset(r.path for r in v1.routes if "{" not in r.path)  # for the metrics' labels
     return app

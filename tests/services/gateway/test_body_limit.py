@@ -54,6 +54,9 @@ def test_a_body_over_the_limit_is_a_413_and_one_at_the_limit_goes_on(router_addr
         at = send(c, _body(LIMIT))
         assert at.status_code == 503, at.text  # parsed, checked and sent on: the mesh is unreachable
         assert c.get("/v1/models").status_code == 200  # still serving
+        # counted under its route either way (a declared size is refused before routing)
+        metrics = c.get("/metrics").text
+        assert 'infinite_llm:gateway_requests_total{route="/v1/completions",status="413"} 1.0' in metrics, metrics
 
 
 def test_the_api_key_is_checked_before_the_size_and_zero_means_no_limit(router_address, tokenizer):
