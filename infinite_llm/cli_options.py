@@ -51,7 +51,7 @@ MANAGER_TARGET_HELP = (
 )
 ManagerTarget = Annotated[str, typer.Option(help=MANAGER_TARGET_HELP, callback=target_option)]
 Model = Annotated[str | None, typer.Option(help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct).")]
-BlockSize = Annotated[int, typer.Option(help="Tokens per rBlock (must match across the mesh).")]
+BlockSize = Annotated[int, typer.Option(help="Tokens per rBlock (must match across the mesh).", min=1)]
 Transport = Annotated[
     str,
     typer.Option(

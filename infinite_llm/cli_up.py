@@ -167,28 +167,34 @@ def _refuse_busy_ports(config) -> None:  # noqa: ANN001
             )
 
 
+ATTENTION_ENV = "INFINITE_LLM_SERVE_ATTENTION_"  # the environment's options of serve attention
+
+
 def _refuse_kv_memory_without_an_rblock(config) -> None:  # noqa: ANN001
     """Exit 2 naming ``--kv-memory`` when an attention server's KV memory cannot hold one rBlock of the model
-    (the check each attention server makes at startup). A model that cannot be found or fetched is left to the
-    services, which say why in their logs."""
-    from infinite_llm.core.errors import InfiniteLLMError
+    (the check each attention server makes at startup). Skipped where the attention servers may load another
+    model than ``--model`` says (a config file or the environment names theirs), and for a model that cannot be
+    found, fetched or read: the services say why in their logs."""
+    from infinite_llm.core.rmanager import KVLayout
     from infinite_llm.models.registry import load_model_config, resolve_model
-    from infinite_llm.services.attention.server import AttentionServerConfig
+    from infinite_llm.rpc import codec
+    from infinite_llm.rpc.sizes import format_size
 
-    try:
-        model = load_model_config(resolve_model(config.model))
-    except (InfiniteLLMError, OSError, ValueError):
+    if config.model is None and (config.config_file or any(k.startswith(ATTENTION_ENV) for k in os.environ)):
         return
     try:
-        AttentionServerConfig.for_model(
-            model,
-            server_id="attn-0",
-            kv_memory_bytes=config.kv_memory_bytes,
-            block_size=config.block_size,
-            dtype=config.dtype or "float32",  # serve attention's default KV dtype
+        model = load_model_config(resolve_model(config.model))
+    except Exception:  # noqa: BLE001 - any failure is the services' to report
+        return
+    dtype = codec.DTYPES[config.dtype or "float32"]  # serve attention's default KV dtype
+    per_block = KVLayout(
+        model.num_hidden_layers, config.block_size, model.num_key_value_heads, model.head_dim, dtype
+    ).bytes_per_block
+    if config.kv_memory_bytes < per_block:
+        raise typer.BadParameter(
+            f"kv_memory {format_size(config.kv_memory_bytes)} holds no rBlock: one takes {format_size(per_block)}",
+            param_hint="--kv-memory",
         )
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--kv-memory") from None
 
 
 def _refuse_a_bad_api_key() -> None:

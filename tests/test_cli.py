@@ -58,7 +58,7 @@ def test_chat_prompt_from_stdin_uses_the_chat_template(engine, tmp_path: Path):
         (["--prompt-file", sys.executable], "is not UTF-8 text ("),
         (["--prompt", "hi", "--model", "/nonexistent/model"], "does not exist"),
         (["--prompt", "hi", "--block-size", "0"], "block_size must be >= 1, got 0"),
-        (["--prompt", "hi", "--num-partitions", "0"], "num_partitions must be >= 1, got 0"),
+        (["--prompt", "hi", "--num-partitions", "0"], "Invalid value for '--num-partitions'"),
         (["--prompt", "hi", "--device", "tpu"], "unknown device 'tpu'; use cpu, cuda or cuda:N"),
     ],
 )

@@ -49,6 +49,7 @@ def test_bad_cluster_view_flags_exit_2_naming_the_problem(args, message):
             "--etcd-tls-dir needs an https://HOST:PORT --etcd endpoint",
         ),
         (["--etcd", "https://127.0.0.1:1"], "needs a certificate: give --etcd-tls-dir or --tls-dir"),
+        (["--etcd", "127.0.0.1:99999"], "--etcd must be HOST:PORT or https://HOST:PORT (port 0 to 65535)"),
     ],
 )
 def test_bad_etcd_tls_flags_of_the_manager_exit_2_before_dialling(args, message):

@@ -32,10 +32,12 @@ def test_a_directory_is_not_a_document(capsys, tmp_path: Path):
     assert bad(capsys, "--doc", str(tmp_path)) == f"error: --doc {tmp_path}: is a directory, not a file"
 
 
-def test_a_binary_file_is_not_utf8_text(capsys, tmp_path: Path):
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"])
+def test_a_binary_file_is_not_utf8_text(capsys, tmp_path: Path, bom: bytes):
     doc = tmp_path / "image.bin"
-    doc.write_bytes(b"PNG header \x89\xff\xfe and more")
-    assert bad(capsys, "--doc", str(doc)) == f"error: --doc {doc}: not UTF-8 text (byte 11 cannot be decoded)"
+    doc.write_bytes(bom + b"PNG header \x89\xff\xfe and more")
+    byte = 11 + len(bom)  # the file's offset, a byte order mark counted
+    assert bad(capsys, "--doc", str(doc)) == f"error: --doc {doc}: not UTF-8 text (byte {byte} cannot be decoded)"
 
 
 @pytest.mark.parametrize("content", [b" \n\t\n", b"\xef\xbb\xbf", b"\xef\xbb\xbf \n"])  # blank, a lone byte order mark

@@ -23,6 +23,7 @@ from infinite_llm.client import AsyncClient, Client, InfiniteLLMError, InvalidRe
 from infinite_llm.rpc.tls import TlsConfig
 
 PREPARE_TIMEOUT_S = 60.0
+MODEL_QUERY_TIMEOUT_S = 5.0  # asking which model is served, only for the run's record (seconds)
 PROBE_WORDS = 128  # words in the gateway's tokens-per-word probe: small enough for a tiny test mesh's KV
 
 
@@ -101,7 +102,7 @@ class RouterTarget:
             return self.model
         try:
             with Client(self.address, tls=self.tls, api_key=self.api_key) as client:
-                return next(iter(client.list_models(timeout=PREPARE_TIMEOUT_S)), None)
+                return next(iter(client.list_models(timeout=MODEL_QUERY_TIMEOUT_S)), None)
         except InfiniteLLMError:
             return None
 
@@ -195,7 +196,7 @@ class GatewayTarget:
         if self.model:
             return self.model
         try:
-            with httpx.Client(trust_env=False, timeout=PREPARE_TIMEOUT_S, headers=self._headers) as http:
+            with httpx.Client(trust_env=False, timeout=MODEL_QUERY_TIMEOUT_S, headers=self._headers) as http:
                 reply = http.get(f"{self.address}/models")
             return reply.json()["data"][0]["id"] if reply.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):

@@ -363,7 +363,7 @@ class ManagerPlacement:
                     stub = self._servers[holder] = agrpc.AttentionServerStub(sync_channel(self.address_of(holder)))
                 request = apb.FreeSequenceRequest(seq_id=seq_id)
                 freed += stub.FreeSequence(request, timeout=min(self.timeout_s, PLACE_RETRY_S)).num_freed
-            except (grpc.RpcError, InvalidRequest) as e:
+            except (grpc.RpcError, InvalidRequest, ValueError) as e:  # ValueError: no usable address known
                 log.warning("could not free %s on %s directly: %s", seq_id[:64], holder, e)
         log.warning(
             "freed %d rBlocks of %s on its holders directly (%s); the manager reclaims its ledger entry later",

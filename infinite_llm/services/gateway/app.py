@@ -202,8 +202,8 @@ def install_metrics(app: FastAPI) -> None:
         # The matched route's template, never the raw path: a path parameter (a model id) would make a new
         # label per request, without bound.
         template = getattr(request.scope.get("route"), "path", "")
-        if not template and request.url.path in getattr(app.state, "static_routes", ()):
-            template = request.url.path  # answered before routing (a declared body over the limit: 413)
+        if not template and response.status_code == 413 and request.url.path in getattr(app.state, "static_routes", ()):
+            template = request.url.path  # a declared body over the limit, refused before routing
         route = template if template.startswith("/v1/") else "other"
         requests.labels(route=route, status=str(response.status_code)).inc()
         latency.labels(route=route).observe(time.perf_counter() - start)

@@ -82,8 +82,8 @@ class ManagerServerConfig:
 
     def __post_init__(self) -> None:
         host, _, port = self.etcd.removeprefix("https://").rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--etcd must be HOST:PORT or https://HOST:PORT, got {self.etcd!r}")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"--etcd must be HOST:PORT or https://HOST:PORT (port 0 to 65535), got {self.etcd!r}")
         if self.etcd_tls_dir and not self.etcd.startswith("https://"):
             raise ValueError(f"--etcd-tls-dir needs an https://HOST:PORT --etcd endpoint, got {self.etcd!r}")
 

@@ -65,6 +65,9 @@ def test_the_api_key_is_checked_before_the_size_and_zero_means_no_limit(router_a
         assert r.status_code == 401, r.text
         r = c.post("/v1/completions", content=_body(LIMIT + 1), headers={"authorization": "Bearer k1"})
         assert r.status_code == 413, r.text
+        metrics = c.get("/metrics").text  # a 401 keeps its label: refused before routing, as any path would be
+        assert 'infinite_llm:gateway_requests_total{route="other",status="401"} 1.0' in metrics, metrics
+        assert 'infinite_llm:gateway_requests_total{route="/v1/completions",status="413"} 1.0' in metrics, metrics
     with _client(router_address, tokenizer, max_request_bytes=0) as c:
         r = c.post("/v1/completions", content=_body(4 * LIMIT), headers={"content-type": "application/json"})
         assert r.status_code == 503, r.text
