@@ -6,6 +6,7 @@ any access."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -16,19 +17,32 @@ from .manifests import arg_value, by_kind, main_container, one, pod_spec, select
 from .test_wiring import NS, names, sources
 
 
-@pytest.fixture(scope="module", params=["dev", "gpu"])
+@pytest.fixture(scope="module", params=["dev", "gpu", "dev-own-list", "gpu-own-list"])
 def with_component(request, kubectl, tmp_path_factory):
-    """``(overlay, its documents, the same overlay with the component)``."""
-    overlay = request.param
-    root = tmp_path_factory.mktemp(f"torch-transport-{overlay}")
-    rel = os.path.relpath(K8S, root)  # kustomize takes relative paths only
-    (root / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\n"
-        "kind: Kustomization\n"
-        f"namespace: {NS}\n"
-        f"resources:\n  - {rel}/overlays/{overlay}\n"
-        f"components:\n  - {rel}/components/torch-transport\n"
-    )
+    """``(overlay, its documents, the same overlay with the component)``: the component on top of the rendered
+    overlay, or (``-own-list``) in a copy of the overlay's own ``components`` list, as the README says to add it
+    (there it comes before the overlay's patches)."""
+    overlay, own_list = request.param.removesuffix("-own-list"), request.param.endswith("-own-list")
+    root = tmp_path_factory.mktemp(f"torch-transport-{request.param}")
+    if own_list:
+        shutil.copytree(K8S / "overlays" / overlay, root, dirs_exist_ok=True)
+        rel = os.path.relpath(K8S, root)
+        text = (root / "kustomization.yaml").read_text()
+        assert "  - ../../components/tls-bootstrap\n" in text
+        text = text.replace("../../", f"{rel}/").replace(
+            f"  - {rel}/components/tls-bootstrap\n",
+            f"  - {rel}/components/tls-bootstrap\n  - {rel}/components/torch-transport\n",
+        )
+        (root / "kustomization.yaml").write_text(text)
+    else:
+        rel = os.path.relpath(K8S, root)  # kustomize takes relative paths only
+        (root / "kustomization.yaml").write_text(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\n"
+            "kind: Kustomization\n"
+            f"namespace: {NS}\n"
+            f"resources:\n  - {rel}/overlays/{overlay}\n"
+            f"components:\n  - {rel}/components/torch-transport\n"
+        )
     return overlay, kustomize(kubectl, K8S / "overlays" / overlay), kustomize(kubectl, root)
 
 
