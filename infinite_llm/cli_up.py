@@ -186,6 +186,8 @@ def _refuse_kv_memory_without_an_rblock(config) -> None:  # noqa: ANN001
         model = load_model_config(resolve_model(config.model))
     except Exception:  # noqa: BLE001 - any failure is the services' to report
         return
+    if model.head_dim is None:
+        return
     dtype = codec.DTYPES[config.dtype or "float32"]  # serve attention's default KV dtype
     per_block = KVLayout(
         model.num_hidden_layers, config.block_size, model.num_key_value_heads, model.head_dim, dtype
