@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from infinite_llm.cli_options import PORT_RANGE
+
 if TYPE_CHECKING:  # every `infinite-llm` call loads this module: gRPC only when a command runs
     from infinite_llm.rpc.certs import TlsDirExists
     from infinite_llm.rpc.tls import TlsConfig
@@ -39,8 +41,7 @@ HealthPort = Annotated[
         help="With mTLS: also answer grpc.health.v1 (only) in plaintext on this port, for Kubernetes' gRPC "
         "probes, which cannot present a certificate (0 = off).",
         rich_help_panel="Security",
-        min=0,
-        max=65535,
+        **PORT_RANGE,
     ),
 ]
 Insecure = Annotated[

@@ -178,7 +178,7 @@ def _refuse_kv_memory_without_an_rblock(config) -> None:  # noqa: ANN001
     from infinite_llm.core.rmanager import KVLayout
     from infinite_llm.models.registry import load_model_config, resolve_model
     from infinite_llm.rpc import codec
-    from infinite_llm.rpc.sizes import format_size
+    from infinite_llm.services.attention.server import check_kv_memory
 
     if config.model is None and (config.config_file or any(k.startswith(ATTENTION_ENV) for k in os.environ)):
         return
@@ -189,14 +189,11 @@ def _refuse_kv_memory_without_an_rblock(config) -> None:  # noqa: ANN001
     if model.head_dim is None:
         return
     dtype = codec.DTYPES[config.dtype or "float32"]  # serve attention's default KV dtype
-    per_block = KVLayout(
-        model.num_hidden_layers, config.block_size, model.num_key_value_heads, model.head_dim, dtype
-    ).bytes_per_block
-    if config.kv_memory_bytes < per_block:
-        raise typer.BadParameter(
-            f"kv_memory {format_size(config.kv_memory_bytes)} holds no rBlock: one takes {format_size(per_block)}",
-            param_hint="--kv-memory",
-        )
+    layout = KVLayout(model.num_hidden_layers, config.block_size, model.num_key_value_heads, model.head_dim, dtype)
+    try:
+        check_kv_memory(config.kv_memory_bytes, layout)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--kv-memory") from None
 
 
 def _refuse_a_bad_api_key() -> None:

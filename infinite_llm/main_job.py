@@ -40,18 +40,16 @@ def read_document(doc: str) -> str:
     """The document's text (a UTF-8 byte order mark dropped). Raises ``BadInput`` when it is missing, not a
     regular file, unreadable, not UTF-8 text, or empty."""
     try:
-        with open(doc, encoding="utf-8-sig") as f:
-            text = f.read()
+        with open(doc, encoding="utf-8") as f:
+            text = f.read().removeprefix("\ufeff")
     except FileNotFoundError:
         raise BadInput(f"--doc {doc}: no such file") from None
     except IsADirectoryError:
         raise BadInput(f"--doc {doc}: is a directory, not a file") from None
     except PermissionError:
         raise BadInput(f"--doc {doc}: not readable (permission denied)") from None
-    except UnicodeDecodeError as e:  # utf-8-sig counts from after a byte order mark: the offset is the file's
-        with open(doc, "rb") as f:
-            bom = 3 if f.read(3) == b"\xef\xbb\xbf" else 0
-        raise BadInput(f"--doc {doc}: not UTF-8 text (byte {e.start + bom} cannot be decoded)") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"--doc {doc}: not UTF-8 text (byte {e.start} cannot be decoded)") from None
     except OSError as e:
         raise BadInput(f"--doc {doc}: cannot be read ({e.strerror})") from None
     if not text.strip():

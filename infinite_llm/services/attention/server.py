@@ -89,11 +89,7 @@ class AttentionServerConfig:
             raise ValueError(f"AttentionServerConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"AttentionServerConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        per_block = self.layout.bytes_per_block
-        if self.kv_memory_bytes < per_block:
-            raise ValueError(
-                f"kv_memory {format_size(self.kv_memory_bytes)} holds no rBlock: one takes {format_size(per_block)}"
-            )
+        check_kv_memory(self.kv_memory_bytes, self.layout)
 
     @classmethod
     def for_model(cls, model: ModelConfig, *, server_id: str, kv_memory_bytes: int, **kwargs) -> AttentionServerConfig:
@@ -115,6 +111,15 @@ class AttentionServerConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+def check_kv_memory(kv_memory_bytes: int, layout: KVLayout) -> None:
+    """Raises ``ValueError`` when ``kv_memory_bytes`` cannot hold one rBlock of ``layout``."""
+    per_block = layout.bytes_per_block
+    if kv_memory_bytes < per_block:
+        raise ValueError(
+            f"kv_memory {format_size(kv_memory_bytes)} holds no rBlock: one takes {format_size(per_block)}"
+        )
 
 
 @dataclass
